@@ -1,0 +1,82 @@
+"""Engine configuration: one frozen tree, validated when built, passed down from the entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the model runner (device side) needs: weights, memory, kernels."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default model
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    page_size: int = 16
+    kv_cache_tokens: int | None = None  # KV slots; None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_running_requests: int = 256
+    max_context_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must be >= page_size, got {self.kv_cache_tokens}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_context_len is not None and self.max_context_len < 2:
+            raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling policy (CPU side): batching, chunking, mixing, caching."""
+
+    chunked_prefill_size: int | None = 2048  # max prefill tokens per step; None: unlimited
+    enable_mixed: bool = False
+    max_prefill_ratio: float = 0.3  # in a MIXED step: prefill tokens / all tokens <= this
+    enable_prefix_cache: bool = True
+    max_running_requests: int = 256
+    seed: int = 0  # seeds the random per-request seeds drawn for unseeded requests
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
+        if not 0.0 < self.max_prefill_ratio <= 1.0:
+            raise ValueError(f"max_prefill_ratio must be in (0, 1], got {self.max_prefill_ratio}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    runner: RunnerConfig = RunnerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Split flat keyword arguments into the sub-configs; unknown names are an error."""
+        runner_names = {f.name for f in dataclasses.fields(RunnerConfig)}
+        sched_names = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        unknown = set(kwargs) - runner_names - sched_names
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        runner = RunnerConfig(**{k: v for k, v in kwargs.items() if k in runner_names})
+        sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
+        return cls(runner=runner, scheduler=sched)

@@ -1,0 +1,81 @@
+"""``ForwardBatch``: the one message from scheduler to model runner (mirrored by the wire proto).
+
+Per step it carries O(batch) data plus the tokens of this step; arrays are numpy (host) so the
+scheduler never touches a device tensor and the service can move them as packed bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from modeserve.engine.forward_mode import ForwardMode
+from modeserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReqAdmission:
+    """Sent once when a request (re)enters the engine: its sampling state lives in the slot."""
+
+    req_pool_idx: int
+    sampling: SamplingParams
+    seed: int
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class SlotUpdate:
+    """Set ``req_to_token[req_pool_idx, start:start+len(kv_locs)] = kv_locs`` (prefix-cache hits)."""
+
+    req_pool_idx: int
+    start: int
+    kv_locs: np.ndarray  # [n] int64
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    forward_mode: ForwardMode
+    # per request: [B]
+    req_pool_indices: np.ndarray  # int64 row in the request->slot table
+    prefix_lens: np.ndarray  # int64 tokens with KV before this step
+    extend_lens: np.ndarray  # int64 tokens computed this step (1 for a decode)
+    sample_mask: np.ndarray  # bool: the request samples a token after this step
+    # per token: [T], T = extend_lens.sum()
+    input_ids: np.ndarray  # int64
+    positions: np.ndarray  # int64
+    out_cache_loc: np.ndarray  # int64 KV slot each token writes
+    admissions: tuple[ReqAdmission, ...] = ()
+    slot_updates: tuple[SlotUpdate, ...] = ()
+    step: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_mask.sum())
+
+    @classmethod
+    def idle(cls, step: int = 0) -> ForwardBatch:
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(ForwardMode.IDLE, empty, empty, empty, np.zeros(0, dtype=bool), empty, empty, empty, step=step)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """Sampled tokens for the requests with ``sample_mask`` set, in batch order."""
+
+    next_token_ids: np.ndarray  # [S] int64
+    logprobs: np.ndarray | None = None  # [S] float32, chosen token
+    top_logprob_ids: np.ndarray | None = None  # [S, n] int64
+    top_logprob_values: np.ndarray | None = None  # [S, n] float32

@@ -1,0 +1,71 @@
+"""Forward modes: what kind of step a batch is, and the one traits table the engine dispatches on.
+
+The numbers match SGLang's ``ForwardMode`` (and the wire enum in ``proto/``). Code asks the traits
+table (``mode.traits.is_extend``, ``mode.traits.uses_cuda_graph``) instead of comparing modes in
+scattered ``if`` statements.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class ModeTraits(NamedTuple):
+    is_extend: bool  # the step writes more than one new token per request (prefill-like attention)
+    is_decode_like: bool  # one (or a fixed few) query tokens per request over cached KV
+    uses_cuda_graph: bool  # replayed from a captured CUDA graph on GPU
+    samples: bool  # the step returns sampled tokens
+    supported: bool  # implemented by this build
+    summary: str
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    IDLE = 4
+    TARGET_VERIFY = 5
+    DRAFT_EXTEND = 6
+    DLLM_EXTEND = 7
+    SPLIT_PREFILL = 8
+
+    @property
+    def traits(self) -> ModeTraits:
+        return MODE_TRAITS[self]
+
+    def require_supported(self) -> None:
+        """Raise ``ValueError`` for a mode whose implementation has not landed."""
+        if not self.traits.supported:
+            raise ValueError(
+                f"forward mode {self.name} is not implemented in this build "
+                f"({self.traits.summary}); supported modes: "
+                f"{', '.join(m.name for m in ForwardMode if m.traits.supported)}"
+            )
+
+
+MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
+    ForwardMode.EXTEND: ModeTraits(True, False, False, True, True, "prefill of new or chunked prompts"),
+    ForwardMode.DECODE: ModeTraits(False, True, True, True, True, "one new token per running request"),
+    ForwardMode.MIXED: ModeTraits(True, False, False, True, True, "a prefill chunk together with decodes"),
+    ForwardMode.IDLE: ModeTraits(False, True, True, False, True, "a lockstep DP rank with no work"),
+    ForwardMode.TARGET_VERIFY: ModeTraits(False, True, True, True, False, "speculative decoding: verify drafts"),
+    ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
+    ForwardMode.DLLM_EXTEND: ModeTraits(True, False, True, True, False, "diffusion LM block denoising"),
+    ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, False, "a prefill run a slice of layers per step"),
+}
+
+
+def determine_forward_mode(num_extend_reqs: int, num_decode_reqs: int) -> ForwardMode:
+    """The seed's ``determine_forward_mode``, decided by each request's phase, not its extend length.
+
+    A request is *extending* while any of its prompt (or recomputed) tokens lack KV, even when the
+    chunk it contributes this step is a single token; it is *decoding* once it samples every step.
+    """
+    if num_extend_reqs and num_decode_reqs:
+        return ForwardMode.MIXED
+    if num_extend_reqs:
+        return ForwardMode.EXTEND
+    if num_decode_reqs:
+        return ForwardMode.DECODE
+    return ForwardMode.IDLE

@@ -1,0 +1,129 @@
+"""``LLM``: the offline Python API — build the engine once, then ``generate`` batches of prompts."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from modeserve.engine.config import EngineConfig
+from modeserve.engine.default_model import default_model_path
+from modeserve.engine.models.loader import open_checkpoint
+from modeserve.engine.request import Req
+from modeserve.engine.runner.model_runner import ModelRunner
+from modeserve.engine.sampling_params import SamplingParams
+from modeserve.engine.scheduler.scheduler import ReqEvent, Scheduler
+from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """An in-process engine: scheduler + model runner on one device.
+
+    ``LLM(model=None)`` loads the embedded default model (SmolLM2-135M-Instruct, GGUF).
+    Keyword arguments are the fields of ``RunnerConfig`` and ``SchedulerConfig``.
+    """
+
+    def __init__(self, model: str | Path | None = None, progress: Callable[[str], None] | None = None,
+                 **kwargs: Any) -> None:
+        path = Path(model) if model is not None else default_model_path()
+        self.config = EngineConfig.from_kwargs(model=str(path), **kwargs)
+        ckpt = open_checkpoint(path)
+        self.model_config = ckpt.config
+        self.tokenizer: Tokenizer | None = load_tokenizer(path)
+        self.runner = ModelRunner(self.config.runner, ckpt, progress)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        eos = tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids))
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            num_pages=self.runner.num_pages,
+            page_size=self.config.runner.page_size,
+            max_context=self.runner.max_context,
+            vocab_size=ckpt.config.vocab_size,
+            eos_token_ids=eos,
+            decode=self._decode if self.tokenizer is not None else None,
+        )
+        self._ids = itertools.count()
+
+    # ---- request level ------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of prompts")
+        return self.tokenizer.apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
+
+    def make_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> Req:
+        return self.scheduler.make_request(rid or f"req-{next(self._ids)}", list(prompt_ids), sampling)
+
+    def add_request(self, req: Req) -> None:
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid) is not None
+
+    def step(self) -> list[ReqEvent]:
+        """Run one scheduler step and one forward; the events of the requests that advanced."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        start = time.perf_counter()
+        result = self.runner.forward(scheduled.batch)
+        self.scheduler.stats.add_time(scheduled.batch.forward_mode, time.perf_counter() - start)
+        return self.scheduler.process_result(scheduled, result)
+
+    def output_of(self, req: Req) -> RequestOutput:
+        text = self._decode(req.output_ids, req.sampling.skip_special_tokens) if self.tokenizer else ""
+        if req.matched_stop is not None and req.matched_stop in text:
+            text = text[: text.index(req.matched_stop)]
+        return RequestOutput(req.rid, req.prompt_ids, list(req.output_ids), text, req.finish_reason,
+                             list(req.output_logprobs), list(req.output_top_logprobs), req.num_cached_prompt_tokens)
+
+    # ---- batch API ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        token_lists = [self.encode(p, chat) for p in prompts] if prompts is not None else [list(p) for p in prompt_token_ids or []]
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(token_lists)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(token_lists):
+                raise ValueError(f"{len(params)} sampling params for {len(token_lists)} prompts")
+        reqs = [self.make_request(ids, sp) for ids, sp in zip(token_lists, params)]  # validate all first
+        for req in reqs:
+            self.add_request(req)
+        while not all(r.finished for r in reqs):
+            if not self.step() and not self.scheduler.has_work:
+                raise RuntimeError("scheduler stalled with unfinished requests")
+        return [self.output_of(r) for r in reqs]
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats.get_stats()
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

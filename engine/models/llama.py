@@ -1,0 +1,191 @@
+"""Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Projections are fused (qkv_proj, gate_up_proj); ``load_weights`` maps Hugging Face names onto
+the fused shards. Attention goes through the step's ``AttentionBackend``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from modeserve.engine.models.model_config import ModelConfig
+from modeserve.kernels import ops
+from modeserve.kernels.attention.base import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        # x: [T, hidden], positions: [T]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        out = attn.forward(q, k, v, self.layer_id)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(positions, x, cos_sin, attn)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our fragment, shard index or None)
+    _STACKED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+
+    def init_buffers(self, max_positions: int) -> None:
+        rope = self.config.rope
+        inv_freq = ops.rope_inv_freq(
+            self.config.head_dim,
+            rope.theta,
+            rope.rope_type,
+            rope.factor,
+            rope.low_freq_factor,
+            rope.high_freq_factor,
+            rope.original_max_position_embeddings,
+        )
+        self.cos_sin = ops.rope_cos_sin(inv_freq.to(self.embed_tokens.weight.device), max_positions)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin, attn)
+        assert residual is not None
+        x, _ = ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> [S, V] float32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the already-allocated parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            shard: int | None = None
+            for frag, (ours, idx) in self._STACKED.items():
+                if frag in name:
+                    name, shard = name.replace(frag, ours), idx
+                    break
+            if name not in params:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}")
+            param = params[name]
+            dest = self._shard_view(name, param, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        expected = {f"{n}#{s}" for n, p in params.items() for s in self._shards_of(n)}
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shards_of(self, name: str) -> list[int | None]:
+        if ".qkv_proj." in name:
+            return [0, 1, 2]
+        if ".gate_up_proj." in name:
+            return [0, 1]
+        return [None]
+
+    def _shard_view(self, name: str, param: torch.Tensor, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return param.data
+        if ".qkv_proj." in name:
+            cfg = self.config
+            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])

@@ -1,0 +1,95 @@
+"""Find a checkpoint (HF folder or GGUF file), parse its config, build the model on ``meta``,
+allocate it once on the target device and stream the weights into it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from modeserve.engine.models.llama import LlamaForCausalLM
+from modeserve.engine.models.model_config import ModelConfig, parse_model_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Checkpoint(NamedTuple):
+    path: Path
+    config: ModelConfig
+    is_gguf: bool
+    num_tensors: int
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"model file {str(p)!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
+        from modeserve.engine.models.gguf_loader import read_gguf_checkpoint
+
+        ckpt = read_gguf_checkpoint(p)
+        return Checkpoint(p, parse_model_config(ckpt.config, name=p.stem), True, 0)
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"model folder {str(p)!r} has no config.json")
+    files = _safetensors_files(p)
+    if not files:
+        raise ValueError(f"model folder {str(p)!r} has no .safetensors weights")
+    config = parse_model_config(json.loads(cfg_file.read_text()), name=p.name)
+    return Checkpoint(p, config, False, len(files))
+
+
+def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    if ckpt.is_gguf:
+        from modeserve.engine.models.gguf_loader import iter_gguf_tensors
+
+        yield from iter_gguf_tensors(ckpt.path, dtype)
+        return
+    for file in _safetensors_files(ckpt.path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_model(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    progress: Callable[[str], None] | None = None,
+) -> LlamaForCausalLM:
+    """Build on ``meta``, allocate once on ``device`` (uninitialised), then copy each tensor in."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config)
+    model = model.to(dtype).to_empty(device=device)
+    if ckpt.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_weights(ckpt, dtype):
+            if progress is not None:
+                progress(name)
+            yield name, tensor
+
+    model.load_weights(tracked())
+    model.init_buffers(max_positions)
+    return model.eval()

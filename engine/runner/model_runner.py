@@ -1,0 +1,142 @@
+"""The model runner: device memory and math for one ``ForwardBatch`` at a time.
+
+``forward(batch)`` = apply admissions -> record tokens into the slot table -> attention metadata ->
+model -> logits of the sampling rows -> sample. It keeps no scheduling state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+from modeserve.engine.config import RunnerConfig
+from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+from modeserve.engine.forward_mode import ForwardMode
+from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
+from modeserve.engine.runner import sampler
+from modeserve.engine.runner.slot_state import SlotState
+from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
+from modeserve.kernels.attention.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_slots(cfg: RunnerConfig, bytes_per_token: int, max_context: int) -> int:
+    """Token slots of the KV pool, a whole number of pages, including the reserved page 0."""
+    if cfg.kv_cache_tokens is not None:
+        tokens = cfg.kv_cache_tokens
+    else:
+        tokens = int(cfg.kv_cache_memory_gb * 2**30) // bytes_per_token
+        tokens = min(tokens, cfg.max_running_requests * max_context)
+    pages = max(tokens // cfg.page_size, 1)
+    return (pages + 1) * cfg.page_size
+
+
+class ModelRunner:
+    def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.model_config = ckpt.config
+        self.device = torch.device(cfg.device)
+        self.dtype = torch_dtype(cfg.torch_dtype_name)
+        self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
+                               ckpt.config.max_position_embeddings)
+        self._init_model(ckpt, progress)
+        self._init_memory()
+        self._init_attention()
+
+    def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
+        self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress)
+
+    def _init_memory(self) -> None:
+        mc = self.model_config
+        bytes_per_token = mc.kv_bytes_per_token * self.dtype.itemsize
+        self.num_kv_slots = kv_cache_slots(self.cfg, bytes_per_token, self.max_context)
+        self.kv_cache = KVCache(
+            mc.num_layers, self.num_kv_slots, mc.num_kv_heads, mc.head_dim, self.cfg.page_size, self.dtype, self.device
+        )
+        self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device)
+        logger.info(
+            "KV cache: %d slots (%d pages of %d), %.1f MiB",
+            self.num_kv_slots, self.num_kv_slots // self.cfg.page_size, self.cfg.page_size,
+            self.num_kv_slots * bytes_per_token / 2**20,
+        )
+
+    def _init_attention(self) -> None:
+        mc = self.model_config
+        self.attention_backend_name = resolve_backend_name(self.cfg.attention_backend, self.device)
+        self.attn = create_attention_backend(
+            self.attention_backend_name,
+            self.device,
+            kv_cache=self.kv_cache,
+            num_heads=mc.num_heads,
+            scale=1.0 / math.sqrt(mc.head_dim),
+            sliding_window=mc.sliding_window,
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_kv_slots // self.cfg.page_size
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model on ``batch``; logits [S, V] (float32) of the rows that sample."""
+        batch.forward_mode.require_supported()
+        for adm in batch.admissions:
+            self.slots.admit(adm)
+        for upd in batch.slot_updates:
+            self.slots.update(upd)
+        if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
+            return torch.zeros(0, self.model_config.vocab_size, device=self.device)
+        dev = self.device
+        input_ids = torch.from_numpy(batch.input_ids).to(dev)
+        positions = torch.from_numpy(batch.positions).to(dev)
+        out_cache_loc = torch.from_numpy(batch.out_cache_loc).to(dev)
+        req_pool = torch.from_numpy(batch.req_pool_indices).to(dev)
+        extend_lens = torch.from_numpy(batch.extend_lens).to(dev)
+        rows = req_pool.repeat_interleave(extend_lens)  # [T]
+        self.slots.record(rows, positions, out_cache_loc, input_ids)
+        self.attn.init_forward_metadata(
+            AttentionInputs(
+                forward_mode=batch.forward_mode,
+                req_pool_indices=req_pool,
+                prefix_lens_cpu=batch.prefix_lens.tolist(),
+                extend_lens_cpu=batch.extend_lens.tolist(),
+                seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
+                out_cache_loc=out_cache_loc,
+                req_to_token=self.slots.req_to_token,
+            )
+        )
+        hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
+        last = np.cumsum(batch.extend_lens) - 1
+        idx = torch.from_numpy(last[batch.sample_mask]).to(dev)
+        return self.model.compute_logits(hidden[idx])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        logits = self.compute_logits(batch)  # [S, V]
+        if logits.shape[0] == 0:
+            return ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64))
+        slots = batch.req_pool_indices[batch.sample_mask]
+        seq_lens = batch.seq_lens[batch.sample_mask]
+        st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
+        raw = logits
+        if st.any_penalties:
+            dev = self.device
+            seq_t = torch.from_numpy(seq_lens).to(dev)
+            history = self.slots.token_ids[torch.from_numpy(slots).to(dev), : int(seq_lens.max())]
+            prompt_lens = torch.from_numpy(self.slots.prompt_len[slots]).to(dev)
+            logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
+        next_ids = sampler.sample(logits, st)
+        if not want_logprobs:
+            return ForwardResult(next_token_ids=next_ids.cpu().numpy())
+        lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)
+        return ForwardResult(
+            next_token_ids=next_ids.cpu().numpy(),
+            logprobs=lp.chosen.cpu().numpy(),
+            top_logprob_ids=lp.top_ids.cpu().numpy(),
+            top_logprob_values=lp.top_values.cpu().numpy(),
+        )

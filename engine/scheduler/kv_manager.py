@@ -1,0 +1,105 @@
+"""KV bookkeeping for requests: prefix matching, slot allocation with eviction, caching, release.
+
+Owns the page pool and (optionally) the radix prefix cache; never touches KV memory itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from modeserve.engine.forward_batch import SlotUpdate
+from modeserve.engine.request import Req
+from modeserve.engine.scheduler.kv_allocator import PagePool, extend_slots
+from modeserve.engine.scheduler.radix_cache import RadixCache
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size = page_size
+        self.cache = RadixCache(self.pool) if enable_prefix_cache else None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    @property
+    def num_available_pages(self) -> int:
+        evictable = self.cache.num_evictable_pages if self.cache is not None else 0
+        return self.pool.num_free_pages + evictable
+
+    def pages_needed(self, req: Req, n: int) -> int:
+        used = req.num_computed % self.page_size
+        room = self.page_size - used if used else 0
+        return -(-max(0, n - room) // self.page_size)
+
+    def match_prefix(self, req: Req) -> int:
+        """Borrow the longest cached prefix of ``req`` (leaving >= 1 token to compute); returns its length."""
+        if self.cache is None or req.num_computed:
+            return 0
+        match = self.cache.match_prefix(req.fill_ids[: req.fill_len - 1])
+        self.cache.lock(match.node)
+        req.cache_node, req.kv_locs, req.num_cached = match.node, list(match.kv_locs), len(match.kv_locs)
+        return req.num_cached
+
+    def undo_match(self, req: Req) -> None:
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.kv_locs, req.num_cached = None, [], 0
+
+    def alloc(self, req: Req, n: int, keep_free_pages: int = 0) -> list[int] | None:
+        """Slots for the next ``n`` tokens of ``req`` (appended to ``req.kv_locs``), evicting cached
+        prefixes if needed; None (nothing changed) if that would leave < ``keep_free_pages``."""
+        need = self.pages_needed(req, n)
+        if self.num_available_pages - need < keep_free_pages:
+            return None
+        short = need - self.pool.num_free_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        slots = extend_slots(self.pool, req.kv_locs, req.num_computed, n)
+        if slots is None:
+            return None
+        req.kv_locs.extend(slots)
+        return slots
+
+    def cache_prefix(self, req: Req) -> SlotUpdate | None:
+        """Share a running request's computed page-aligned prefix through the cache.
+
+        If another request cached the same tokens first, this request's duplicate pages are freed
+        and its slots repointed to the cached ones; the returned update tells the engine.
+        """
+        if self.cache is None:
+            return None
+        n = req.num_computed - req.num_computed % self.page_size
+        if n <= req.num_cached:
+            return None
+        tokens = req.fill_ids[:n]
+        num_dup = self.cache.insert(tokens, req.kv_locs[:n])
+        match = self.cache.match_prefix(tokens)
+        self.cache.lock(match.node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+        update = None
+        if num_dup > req.num_cached:
+            self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
+            req.kv_locs[req.num_cached : num_dup] = match.kv_locs[req.num_cached : num_dup]
+            update = SlotUpdate(req.req_pool_idx, req.num_cached,
+                                np.asarray(match.kv_locs[req.num_cached : num_dup], dtype=np.int64))
+        req.num_cached = n
+        return update
+
+    def release(self, req: Req) -> None:
+        """Give back all of ``req``'s KV: its computed page-aligned prefix stays cached (evictable)."""
+        own_start = req.num_cached
+        if self.cache is not None:
+            n = req.num_computed - req.num_computed % self.page_size
+            num_dup = self.cache.insert(req.fill_ids[:n], req.kv_locs[:n])
+            if num_dup > req.num_cached:
+                self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+            own_start = max(n, req.num_cached)
+        tail = req.kv_locs[own_start:]
+        if tail:
+            self.pool.free(self.pool.pages_of(tail))
+        req.cache_node, req.kv_locs, req.num_cached = None, [], 0

@@ -1,0 +1,277 @@
+"""The scheduler: queues, admission, chunked prefill, the forward mode of each step, preemption.
+
+One step is ``schedule()`` -> (engine runs the ``ForwardBatch``) -> ``process_result()``.
+CPU only: it builds numpy arrays, never device tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from modeserve.engine.config import SchedulerConfig
+from modeserve.engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
+from modeserve.engine.forward_mode import ForwardMode, determine_forward_mode
+from modeserve.engine.request import Req, ReqStatus
+from modeserve.engine.sampling_params import SamplingParams
+from modeserve.engine.scheduler.kv_manager import KVManager
+from modeserve.engine.scheduler.stats import ForwardModeStats
+from modeserve.engine.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Item:
+    req: Req
+    start: int  # first position computed this step
+    length: int  # tokens computed this step
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    batch: ForwardBatch
+    reqs: tuple[Req, ...]  # batch order
+
+
+@dataclass(frozen=True)
+class ReqEvent:
+    """What one step produced for one request."""
+
+    req: Req
+    new_token_ids: tuple[int, ...]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        num_pages: int,
+        page_size: int,
+        max_context: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.kv = KVManager(num_pages, page_size, cfg.enable_prefix_cache)
+        self.stop = StopChecker(eos_token_ids, max_context, decode)
+        self.stats = ForwardModeStats()
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.free_slots = list(range(cfg.max_running_requests - 1, -1, -1))
+        self.pending_updates: list[SlotUpdate] = []
+        self._admissions: list[ReqAdmission] = []
+        self.rng = random.Random(cfg.seed)
+        self.step_no = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def make_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Req:
+        """Validate and build a request (``ValueError`` on bad input; nothing is queued)."""
+        if not prompt_ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"request {rid}: the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context} "
+                f"(prompt + at least one new token)"
+            )
+        need = min(len(prompt_ids) + sampling.max_new_tokens, self.max_context)
+        if need > self.kv.capacity_tokens:
+            raise ValueError(
+                f"request {rid}: prompt + max_new_tokens needs {need} KV slots, the KV pool has "
+                f"{self.kv.capacity_tokens}; lower max_new_tokens or raise kv_cache_tokens"
+            )
+        seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
+        return Req(rid=rid, prompt_ids=list(prompt_ids), sampling=sampling, seed=seed)
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                self._release(req)
+                self._finish(req, "abort")
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledStep | None:
+        """Choose this step's requests and mode; None when there is nothing to run."""
+        self.step_no += 1
+        decodes = [r for r in self.running if r.prefill_done]
+        extends: list[_Item] = []
+        chunk = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
+        can_prefill = bool(self.waiting) or len(decodes) < len(self.running)
+        if can_prefill and decodes and self.cfg.enable_mixed:
+            budget = min(chunk, self._mixed_prefill_cap(len(decodes)))
+            if budget >= 1:
+                decodes = self._reserve_decode(decodes)
+                extends = self._take_prefill(budget, keep_free_pages=0)
+                return self._build(extends, decodes)
+        if can_prefill:
+            extends = self._take_prefill(chunk, keep_free_pages=len(decodes))
+            if extends:
+                return self._build(extends, [])
+        if decodes:
+            return self._build([], self._reserve_decode(decodes))
+        if self.running:
+            # Only partial prefills remain and none can grow: free memory by preempting the newest.
+            self._retract(self.running[-1])
+            return self.schedule()
+        return None
+
+    def _mixed_prefill_cap(self, num_decodes: int) -> int:
+        ratio = self.cfg.max_prefill_ratio
+        if ratio >= 1.0:
+            return self.max_context * self.cfg.max_running_requests
+        return math.floor(ratio / (1.0 - ratio) * num_decodes + 1e-9)
+
+    def _take_prefill(self, budget: int, keep_free_pages: int) -> list[_Item]:
+        items: list[_Item] = []
+        for req in [r for r in self.running if not r.prefill_done]:
+            n = min(req.fill_len - req.num_computed, budget)
+            if n <= 0 or self.kv.alloc(req, n, keep_free_pages) is None:
+                return items
+            items.append(_Item(req, req.num_computed - n, n))
+            budget -= n
+        while self.waiting and budget > 0 and self.free_slots:
+            req = self.waiting[0]
+            hit = self.kv.match_prefix(req)
+            n = min(req.fill_len - req.num_computed, budget)
+            if self.kv.alloc(req, n, keep_free_pages) is None:
+                self.kv.undo_match(req)
+                break
+            self.waiting.popleft()
+            self._admit(req, hit)
+            items.append(_Item(req, req.num_computed - n, n))
+            budget -= n
+        return items
+
+    def _admit(self, req: Req, hit: int) -> None:
+        req.req_pool_idx = self.free_slots.pop()
+        req.status = ReqStatus.RUNNING
+        req.prefill_done = False
+        self.running.append(req)
+        if req.num_retractions == 0:
+            req.num_cached_prompt_tokens = hit
+        self.stats.num_prefix_hit_tokens += hit
+        self._admissions.append(ReqAdmission(req.req_pool_idx, req.sampling, req.seed, len(req.prompt_ids)))
+        if hit:
+            locs = np.asarray(req.kv_locs[:hit], dtype=np.int64)
+            self.pending_updates.append(SlotUpdate(req.req_pool_idx, 0, locs))
+
+    def _reserve_decode(self, decodes: list[Req]) -> list[Req]:
+        """One KV slot per decoding request, oldest first; retract the newest when memory runs out."""
+        ready: list[Req] = []
+        for req in decodes:
+            while req.status == ReqStatus.RUNNING and self.kv.alloc(req, 1) is None:
+                self._retract(self.running[-1])
+            if req.status == ReqStatus.RUNNING:
+                ready.append(req)
+        return [r for r in ready if r.status == ReqStatus.RUNNING]
+
+    def _retract(self, req: Req) -> None:
+        """Preempt ``req``: free its KV (prefix kept in the cache) and requeue it for recomputation."""
+        logger.info("retracting request %s (%d tokens) to free KV", req.rid, req.fill_len)
+        self._release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        self.kv.release(req)
+        self.running.remove(req)
+        self.free_slots.append(req.req_pool_idx)
+        req.req_pool_idx = -1
+        req.prefill_done = False
+
+    def _build(self, extends: list[_Item], decodes: list[Req]) -> ScheduledStep | None:
+        items = extends + [_Item(r, r.num_computed - 1, 1) for r in decodes]
+        if not items:
+            return None
+        mode = determine_forward_mode(len(extends), len(decodes))
+        reqs = tuple(it.req for it in items)
+        ids: list[int] = []
+        locs: list[int] = []
+        for it in items:
+            end = it.start + it.length
+            ids.extend(it.req.tokens(it.start, end))
+            locs.extend(it.req.kv_locs[it.start : end])
+        prefix = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
+        ext = np.fromiter((it.length for it in items), dtype=np.int64, count=len(items))
+        positions = np.concatenate([np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix, ext)])
+        batch = ForwardBatch(
+            forward_mode=mode,
+            req_pool_indices=np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs)),
+            prefix_lens=prefix,
+            extend_lens=ext,
+            sample_mask=np.fromiter((it.start + it.length == it.req.fill_len for it in items), dtype=bool,
+                                    count=len(items)),
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=positions,
+            out_cache_loc=np.asarray(locs, dtype=np.int64),
+            admissions=tuple(self._admissions),
+            slot_updates=tuple(self.pending_updates),
+            step=self.step_no,
+        )
+        self._admissions.clear()
+        self.pending_updates.clear()
+        self.stats.record(mode, batch.batch_size, batch.num_tokens)
+        logger.info("step %d: mode=%s batch_size=%d num_tokens=%d running=%d waiting=%d",
+                    self.step_no, mode.name, batch.batch_size, batch.num_tokens, len(self.running), len(self.waiting))
+        return ScheduledStep(batch, reqs)
+
+    # ---- results --------------------------------------------------------------------------
+    def process_result(self, step: ScheduledStep, result: ForwardResult) -> list[ReqEvent]:
+        events: list[ReqEvent] = []
+        sampled = [r for r, s in zip(step.reqs, step.batch.sample_mask) if s]
+        for i, req in enumerate(sampled):
+            if req.status != ReqStatus.RUNNING:
+                continue  # aborted or retracted after this step was scheduled
+            first_sample = not req.prefill_done
+            req.prefill_done = True
+            if first_sample:
+                update = self.kv.cache_prefix(req)
+                if update is not None:
+                    self.pending_updates.append(update)
+            req.output_ids.append(int(result.next_token_ids[i]))
+            if result.logprobs is not None:
+                req.output_logprobs.append(float(result.logprobs[i]))
+                n = req.sampling.logprobs or 0
+                if result.top_logprob_ids is not None and n:
+                    req.output_top_logprobs.append(
+                        list(zip(result.top_logprob_ids[i, :n].tolist(), result.top_logprob_values[i, :n].tolist()))
+                    )
+            reason = self.stop.check(req)
+            if reason is not None:
+                self._release(req)
+                self._finish(req, reason)
+            events.append(ReqEvent(req, (req.output_ids[-1],), req.finished))
+        return events
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,86 @@
+"""The attention backend interface and its registry (backends are imported lazily by name)."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from modeserve.engine.forward_mode import ForwardMode
+
+if TYPE_CHECKING:
+    from modeserve.kernels.attention.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Per-step inputs every backend needs; device tensors plus host copies for planning."""
+
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor  # [B] int64 (device)
+    prefix_lens_cpu: list[int]  # [B]
+    extend_lens_cpu: list[int]  # [B]
+    seq_lens: torch.Tensor  # [B] int64 (device)
+    out_cache_loc: torch.Tensor  # [T] int64 (device)
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device): KV slot of each position
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for one layer over the paged KV cache.
+
+    Invariant: ``init_forward_metadata`` is called once per step before any layer's ``forward``;
+    ``forward`` first writes this step's k/v at ``out_cache_loc``, then attends each query to its
+    request's keys ``req_to_token[r, :seq_len]`` (causal: a query at position p sees keys <= p).
+    """
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, inputs: AttentionInputs) -> None: ...
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+
+
+BackendFactory = Callable[..., AttentionBackend]
+
+# name -> "module:Class", imported only when chosen
+_BACKENDS: dict[str, str] = {
+    "torch": "modeserve.kernels.attention.torch_backend:TorchAttentionBackend",
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` picks flashinfer on CUDA when importable, else triton on CUDA, else torch."""
+    if name != "auto":
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+        return name
+    if device.type == "cuda":
+        for candidate in ("flashinfer", "triton"):
+            if candidate in _BACKENDS:
+                return candidate
+    return "torch"
+
+
+def create_attention_backend(name: str, device: torch.device, **kwargs: object) -> AttentionBackend:
+    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device)].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    backend: AttentionBackend = cls(**kwargs)
+    return backend

@@ -1,0 +1,45 @@
+"""KV memory: one K and one V tensor per layer over a flat array of token slots."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """``k[layer]``/``v[layer]``: [num_slots, num_kv_heads, head_dim]; slot s is page s // page_size.
+
+    Slot 0 (page 0) is reserved for padded tokens: anything may be written there.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: [T], k/v: [T, Hkv, D]
+        self.k[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    def paged(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [num_pages, page_size, Hkv, D] of the same memory, for paged kernels."""
+        shape = (self.num_slots // self.page_size, self.page_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer_id].view(shape), self.v[layer_id].view(shape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * len(self.k) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
