@@ -9,7 +9,7 @@ import numpy as np
 
 from modeserve.engine.forward_batch import SlotUpdate
 from modeserve.engine.request import Req
-from modeserve.engine.scheduler.kv_allocator import PagePool, extend_slots
+from modeserve.engine.scheduler.kv_allocator import PagePool, extend_slots, pages_needed
 from modeserve.engine.scheduler.radix_cache import RadixCache
 
 
@@ -28,11 +28,6 @@ class KVManager:
         evictable = self.cache.num_evictable_pages if self.cache is not None else 0
         return self.pool.num_free_pages + evictable
 
-    def pages_needed(self, req: Req, n: int) -> int:
-        used = req.num_computed % self.page_size
-        room = self.page_size - used if used else 0
-        return -(-max(0, n - room) // self.page_size)
-
     def match_prefix(self, req: Req) -> int:
         """Borrow the longest cached prefix of ``req`` (leaving >= 1 token to compute); returns its length."""
         if self.cache is None or req.num_computed:
@@ -50,7 +45,7 @@ class KVManager:
     def alloc(self, req: Req, n: int, keep_free_pages: int = 0) -> list[int] | None:
         """Slots for the next ``n`` tokens of ``req`` (appended to ``req.kv_locs``), evicting cached
         prefixes if needed; None (nothing changed) if that would leave < ``keep_free_pages``."""
-        need = self.pages_needed(req, n)
+        need = pages_needed(self.page_size, req.num_computed, n)
         if self.num_available_pages - need < keep_free_pages:
             return None
         short = need - self.pool.num_free_pages
