@@ -53,7 +53,7 @@ class SchedulerConfig:
     max_prefill_ratio: float = 0.3  # in a MIXED step: prefill tokens / all tokens <= this
     enable_prefix_cache: bool = True
     max_running_requests: int = 256
-    seed: int = 0  # seeds the random per-request seeds drawn for unseeded requests
+    random_seed: int = 0  # seeds the per-request seeds drawn for unseeded requests
 
     def __post_init__(self) -> None:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:

@@ -71,7 +71,7 @@ class Scheduler:
         self.free_slots = list(range(cfg.max_running_requests - 1, -1, -1))
         self.pending_updates: list[SlotUpdate] = []
         self._admissions: list[ReqAdmission] = []
-        self.rng = random.Random(cfg.seed)
+        self.rng = random.Random(cfg.random_seed)
         self.step_no = 0
 
     # ---- requests -------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""``modeserve bench ...``: benchmarks that print one JSON object (figure, peer or limit, ratio)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from modeserve.service.engine_args import add_engine_args
+
+
+def add_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON out)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    off = kinds.add_parser("offline", help="LLM.generate on a prompt set vs transformers on the same prompts")
+    off.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M)")
+    off.add_argument("--num-prompts", type=int, default=32)
+    off.add_argument("--new-tokens", type=int, default=64)
+    off.add_argument("--min-prompt-tokens", type=int, default=16)
+    off.add_argument("--max-prompt-tokens", type=int, default=384)
+    off.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
+    off.add_argument("--baseline-batch-size", type=int, default=None,
+                     help="transformers batch size (default: all prompts in one padded batch)")
+    off.add_argument("--seed", type=int, default=0)
+    add_engine_args(off)
+    off.set_defaults(func=run_offline)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from modeserve.service.bench_offline import run
+
+    print(json.dumps(run(args)))
+    return 0

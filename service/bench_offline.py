@@ -1,0 +1,111 @@
+"""Offline throughput: modeserve's ``LLM.generate`` and ``transformers.generate`` on the same
+prompts, same weights, same device, in one run; reports tokens/s of each and their ratio."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+from typing import Any
+
+import torch
+
+from modeserve.engine import LLM, SamplingParams
+from modeserve.service.engine_args import engine_kwargs
+
+_WORDS = (
+    "the model reads a prompt and writes an answer one token at a time while the scheduler "
+    "decides which requests run in each step and how many tokens of each prompt it computes "
+    "paged memory keeps every key and value of every request so nothing is computed twice"
+).split()
+
+
+def make_prompts(llm: LLM, num: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """``num`` token-id prompts with lengths spread evenly over [min_tokens, max_tokens]."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num):
+        target = min_tokens + (max_tokens - min_tokens) * i // max(num - 1, 1)
+        words = [rng.choice(_WORDS) for _ in range(target * 2)]
+        ids = llm.encode(f"Question {i}: " + " ".join(words))[:target]
+        prompts.append(ids)
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _time_modeserve(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=sp.replace(max_new_tokens=2))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    seconds = time.perf_counter() - start
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"seconds": round(seconds, 3), "output_tokens": n_out, "output_tokens_per_s": round(n_out / seconds, 2)}
+
+
+def _reference_model(llm: LLM) -> Any:
+    """The same weights in ``transformers``' own Llama implementation."""
+    import transformers
+
+    from modeserve.engine.models.loader import iter_weights, open_checkpoint, torch_dtype
+
+    ckpt = open_checkpoint(llm.config.runner.model or "")
+    dtype = torch_dtype(llm.config.runner.torch_dtype_name)
+    if ckpt.is_gguf:
+        from modeserve.engine.models.gguf_loader import read_gguf_checkpoint
+
+        cfg = transformers.LlamaConfig(**read_gguf_checkpoint(ckpt.path).config)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.load_state_dict(dict(iter_weights(ckpt, dtype)), strict=False)
+        model.tie_weights()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
+    return model.to(dtype=dtype, device=llm.config.runner.device).eval()
+
+
+@torch.inference_mode()
+def _time_transformers(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int,
+                       batch_size: int) -> dict[str, Any]:
+    def run(batch: list[list[int]], n: int) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+        return int(out.shape[0] * (out.shape[1] - width))
+
+    run(prompts[:2], 2)  # warm-up
+    start = time.perf_counter()
+    n_out = sum(run(prompts[i : i + batch_size], new_tokens) for i in range(0, len(prompts), batch_size))
+    seconds = time.perf_counter() - start
+    return {"seconds": round(seconds, 3), "output_tokens": n_out, "output_tokens_per_s": round(n_out / seconds, 2),
+            "batch_size": batch_size, "padding": "left"}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    llm = LLM(model=args.model, **engine_kwargs(args))
+    prompts = make_prompts(llm, args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, args.seed)
+    result: dict[str, Any] = {
+        "bench": "offline",
+        "model": llm.model_config.name,
+        "device": llm.config.runner.device,
+        "dtype": llm.config.runner.torch_dtype_name,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "num_prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_len_min_max": [min(map(len, prompts)), max(map(len, prompts))],
+        "new_tokens_per_prompt": args.new_tokens,
+    }
+    result["modeserve"] = _time_modeserve(llm, prompts, args.new_tokens)
+    result["modeserve"]["mode_stats"] = llm.stats()["mode_distribution"]
+    if args.baseline == "transformers":
+        ref = _reference_model(llm)
+        pad = llm.tokenizer.eos_token_ids[0] if llm.tokenizer and llm.tokenizer.eos_token_ids else 0
+        result["transformers"] = _time_transformers(ref, prompts, args.new_tokens, pad,
+                                                    args.baseline_batch_size or len(prompts))
+        result["speedup_vs_transformers"] = round(
+            result["modeserve"]["output_tokens_per_s"] / result["transformers"]["output_tokens_per_s"], 3
+        )
+    return result
