@@ -17,7 +17,9 @@ def add_parser(sub: Any) -> None:
     off.add_argument("--num-prompts", type=int, default=32)
     off.add_argument("--new-tokens", type=int, default=64)
     off.add_argument("--min-prompt-tokens", type=int, default=16)
-    off.add_argument("--max-prompt-tokens", type=int, default=384)
+    off.add_argument("--max-prompt-tokens", type=int, default=512)
+    off.add_argument("--length-dist", choices=["loguniform", "uniform"], default="loguniform",
+                     help="prompt lengths: log-uniform (chat-like: many short, a long tail) or uniform")
     off.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     off.add_argument("--baseline-batch-size", type=int, default=None,
                      help="transformers batch size (default: all prompts in one padded batch)")

@@ -4,6 +4,7 @@ prompts, same weights, same device, in one run; reports tokens/s of each and the
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import random
 import time
@@ -21,12 +22,25 @@ _WORDS = (
 ).split()
 
 
-def make_prompts(llm: LLM, num: int, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
-    """``num`` token-id prompts with lengths spread evenly over [min_tokens, max_tokens]."""
+def prompt_lengths(num: int, min_tokens: int, max_tokens: int, dist: str) -> list[int]:
+    """Deterministic lengths over [min_tokens, max_tokens]: evenly spaced (``uniform``) or evenly
+    spaced in log space (``loguniform``: many short prompts and a long tail, like chat traffic)."""
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    fractions = [i / max(num - 1, 1) for i in range(num)]
+    if dist == "uniform":
+        return [round(min_tokens + (max_tokens - min_tokens) * f) for f in fractions]
+    if dist == "loguniform":
+        lo, hi = math.log(min_tokens), math.log(max_tokens)
+        return [round(math.exp(lo + (hi - lo) * f)) for f in fractions]
+    raise ValueError(f"unknown length distribution {dist!r} (uniform, loguniform)")
+
+
+def make_prompts(llm: LLM, lengths: list[int], seed: int) -> list[list[int]]:
+    """Token-id prompts of the given lengths, from a fixed word list, in shuffled order."""
     rng = random.Random(seed)
     prompts = []
-    for i in range(num):
-        target = min_tokens + (max_tokens - min_tokens) * i // max(num - 1, 1)
+    for i, target in enumerate(lengths):
         words = [rng.choice(_WORDS) for _ in range(target * 2)]
         ids = llm.encode(f"Question {i}: " + " ".join(words))[:target]
         prompts.append(ids)
@@ -85,7 +99,8 @@ def _time_transformers(model: Any, prompts: list[list[int]], new_tokens: int, pa
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, **engine_kwargs(args))
-    prompts = make_prompts(llm, args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, args.seed)
+    lengths = prompt_lengths(args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens, args.length_dist)
+    prompts = make_prompts(llm, lengths, args.seed)
     result: dict[str, Any] = {
         "bench": "offline",
         "model": llm.model_config.name,
@@ -96,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "prompt_len_min_max": [min(map(len, prompts)), max(map(len, prompts))],
+        "prompt_len_dist": args.length_dist,
         "new_tokens_per_prompt": args.new_tokens,
     }
     result["modeserve"] = _time_modeserve(llm, prompts, args.new_tokens)

@@ -108,6 +108,7 @@ class ModelRunner:
                 seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
                 out_cache_loc=out_cache_loc,
                 req_to_token=self.slots.req_to_token,
+                dtype=self.dtype,
             )
         )
         hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]

@@ -26,6 +26,7 @@ class AttentionInputs:
     seq_lens: torch.Tensor  # [B] int64 (device)
     out_cache_loc: torch.Tensor  # [T] int64 (device)
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device): KV slot of each position
+    dtype: torch.dtype  # activation dtype
 
     @property
     def seq_lens_cpu(self) -> list[int]:
