@@ -117,8 +117,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
-        """Choose this step's requests and mode; None when there is nothing to run."""
+    def schedule(self, idle_if_empty: bool = False) -> ScheduledStep | None:
+        """Choose this step's requests and mode. With nothing to run: None, or an IDLE batch when
+        ``idle_if_empty`` (a lockstep DP rank must still take part in every step)."""
+        step = self._schedule()
+        if step is None and idle_if_empty:
+            batch = ForwardBatch.idle(self.step_no)
+            self.stats.record(ForwardMode.IDLE, 0, 0)
+            logger.info("step %d: mode=IDLE batch_size=0 num_tokens=0", self.step_no)
+            return ScheduledStep(batch, ())
+        return step
+
+    def _schedule(self) -> ScheduledStep | None:
         self.step_no += 1
         decodes = [r for r in self.running if r.prefill_done]
         extends: list[_Item] = []
@@ -139,7 +149,7 @@ class Scheduler:
         if self.running:
             # Only partial prefills remain and none can grow: free memory by preempting the newest.
             self._retract(self.running[-1])
-            return self.schedule()
+            return self._schedule()
         return None
 
     def _mixed_prefill_cap(self, num_decodes: int) -> int:

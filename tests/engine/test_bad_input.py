@@ -98,3 +98,8 @@ def test_bad_request_loses_nothing_in_flight(llm: LLM) -> None:
     assert good.finish_reason == "length" and len(good.output_ids) == 6
     again = llm.generate(prompt_token_ids=[[3, 4, 5, 6]], sampling_params=GREEDY.replace(max_new_tokens=6))
     assert again[0].token_ids == good.output_ids
+
+
+def test_idle_batch_runs_on_the_engine(llm: LLM) -> None:
+    result = llm.runner.forward(ForwardBatch.idle())
+    assert result.next_token_ids.shape == (0,)

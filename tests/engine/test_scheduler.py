@@ -170,3 +170,15 @@ def test_prefix_cache_hit_is_sent_to_engine_once() -> None:
     assert step.batch.prefix_lens.tolist() == [12] and step.batch.extend_lens.tolist() == [1]
     (upd,) = step.batch.slot_updates
     assert upd.start == 0 and len(upd.kv_locs) == 12 and b.num_cached_prompt_tokens == 12
+
+
+def test_idle_step_when_a_lockstep_rank_has_no_work() -> None:
+    s = make()
+    assert s.schedule() is None
+    step = s.schedule(idle_if_empty=True)
+    assert step is not None and step.batch.forward_mode == ForwardMode.IDLE
+    assert step.batch.batch_size == 0 and step.batch.num_tokens == 0
+    assert s.process_result(step, ForwardResult(np.zeros(0, dtype=np.int64))) == []
+    add(s, 3, "a", max_new_tokens=1)
+    assert s.schedule(idle_if_empty=True).batch.forward_mode == ForwardMode.EXTEND  # type: ignore[union-attr]
+    assert s.stats.get_stats()["mode_distribution"] == {"IDLE": 1, "EXTEND": 1}

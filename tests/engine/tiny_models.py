@@ -36,6 +36,7 @@ ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
     ),
     "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=12)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
 }
