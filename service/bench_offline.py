@@ -69,9 +69,12 @@ def _reference_model(llm: LLM) -> Any:
     if ckpt.is_gguf:
         from modeserve.engine.models.gguf_loader import read_gguf_checkpoint
 
-        cfg = transformers.LlamaConfig(**read_gguf_checkpoint(ckpt.path).config)
-        model = transformers.LlamaForCausalLM(cfg)
-        model.load_state_dict(dict(iter_weights(ckpt, dtype)), strict=False)
+        raw = dict(read_gguf_checkpoint(ckpt.path).config)
+        cfg = transformers.AutoConfig.for_model(str(raw.pop("model_type")), **raw)
+        model: Any = transformers.AutoModelForCausalLM.from_config(cfg)
+        missing, unexpected = model.load_state_dict(dict(iter_weights(ckpt, dtype)), strict=False)
+        if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()):
+            raise ValueError(f"reference model does not match the checkpoint: {missing[:3]} {unexpected[:3]}")
         model.tie_weights()
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
