@@ -105,12 +105,21 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Longest cached page-aligned prefix of ``token_ids``; splits a node so ``node`` ends at it."""
-        ps = self._ps
         tokens = list(token_ids)
-        end = len(tokens) // ps * ps
+        kv: list[int] = []
+        node, pos = self._walk(tokens, len(tokens) // self._ps * self._ps, kv)
+        self._push_if_evictable(node)
+        self.num_queries += 1
+        self.num_query_tokens += len(tokens)
+        self.num_hit_tokens += pos
+        return PrefixMatch(kv, node)
+
+    def _walk(self, tokens: list[int], end: int, kv: list[int] | None) -> tuple[RadixNode, int]:
+        """Follow ``tokens[:end]`` down the tree (splitting the last node at the match end), touch
+        every node passed; returns the deepest node and the matched length; collects slots into kv."""
+        ps = self._ps
         self._clock += 1
         node, pos = self._root, 0
-        kv: list[int] = []
         while pos < end:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
@@ -118,14 +127,11 @@ class RadixCache:
             n = self._common_len(child.key, tokens, pos, end)
             if n < len(child.key):
                 child = self._split(child, n)
-            kv.extend(child.value)
+            if kv is not None:
+                kv.extend(child.value)
             child.last_access = self._clock
             node, pos = child, pos + n
-        self._push_if_evictable(node)
-        self.num_queries += 1
-        self.num_query_tokens += len(tokens)
-        self.num_hit_tokens += pos
-        return PrefixMatch(kv, node)
+        return node, pos
 
     def insert(self, token_ids: Sequence[int], kv_locs: Sequence[int]) -> int:
         """Cache the page-aligned prefix of ``token_ids``; return how many leading tokens were cached.
@@ -150,17 +156,7 @@ class RadixCache:
         ps = self._ps
         end = len(token_ids) // ps * ps
         tokens = list(token_ids[:end])
-        self._clock += 1
-        node, pos = self._root, 0
-        while pos < end:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                break
-            n = self._common_len(child.key, tokens, pos, end)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = self._clock
-            node, pos = child, pos + n
+        node, pos = self._walk(tokens, end, None)
         done = pos
         if pos < end:
             value = list(kv_locs[pos:end])
