@@ -98,7 +98,7 @@ class ModelRunner:
         req_pool = torch.from_numpy(batch.req_pool_indices).to(dev)
         extend_lens = torch.from_numpy(batch.extend_lens).to(dev)
         rows = req_pool.repeat_interleave(extend_lens)  # [T]
-        self.slots.record(rows, positions, out_cache_loc, input_ids)
+        input_ids = self.slots.record(rows, positions, out_cache_loc, input_ids)
         self.attn.init_forward_metadata(
             AttentionInputs(
                 forward_mode=batch.forward_mode,
@@ -132,6 +132,7 @@ class ModelRunner:
             prompt_lens = torch.from_numpy(self.slots.prompt_len[slots]).to(dev)
             logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
         next_ids = sampler.sample(logits, st)
+        self.slots.last_token[torch.from_numpy(slots).to(self.device)] = next_ids
         if not want_logprobs:
             return ForwardResult(next_token_ids=next_ids.cpu().numpy())
         lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)

@@ -19,6 +19,8 @@ class SlotState:
         # [max_reqs, max_context]: KV slot and token id at each position of each request
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
         self.token_ids = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        # [max_reqs]: the token each slot sampled last; resolves input id -1 (overlap placeholders)
+        self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.temperature = np.ones(max_reqs, dtype=np.float32)
         self.top_p = np.ones(max_reqs, dtype=np.float32)
         self.top_k = np.full(max_reqs, -1, dtype=np.int64)
@@ -47,10 +49,13 @@ class SlotState:
         locs = torch.from_numpy(upd.kv_locs).to(self.device)
         self.req_to_token[upd.req_pool_idx, upd.start : upd.start + locs.numel()] = locs
 
-    def record(self, rows: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> None:
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Write this step's KV slots and token ids; returns ids with placeholders (-1) resolved."""
         # rows/positions/loc/ids: [T]
+        ids = torch.where(ids < 0, self.last_token[rows], ids)
         self.req_to_token[rows, positions] = loc
         self.token_ids[rows, positions] = ids
+        return ids
 
     def sampling_tensors(self, slots: np.ndarray, seq_lens: np.ndarray) -> tuple[SamplingTensors, bool]:
         """Tensors for the sampling rows ``slots`` (next token at position ``seq_lens``), and whether

@@ -1,0 +1,1 @@
+"""Generated stubs of modeserve.v1 (see proto/generate_stubs.py)."""
