@@ -9,6 +9,9 @@ from typing import Any
 from modeserve.engine.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # an output token sampled by a step still in flight (the engine resolves it)
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

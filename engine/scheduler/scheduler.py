@@ -18,7 +18,7 @@ import numpy as np
 from modeserve.engine.config import SchedulerConfig
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
 from modeserve.engine.forward_mode import ForwardMode, determine_forward_mode
-from modeserve.engine.request import Req, ReqStatus
+from modeserve.engine.request import PLACEHOLDER, Req, ReqStatus
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.kv_manager import KVManager
 from modeserve.engine.scheduler.stats import ForwardModeStats
@@ -35,9 +35,17 @@ class _Item:
 
 
 @dataclass(frozen=True)
+class _Sample:
+    req: Req
+    output_index: int  # where the sampled token goes in req.output_ids (a placeholder until then)
+    first: bool  # the request's first sample since (re)admission: its prompt is now computed
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
     batch: ForwardBatch
     reqs: tuple[Req, ...]  # batch order
+    samples: tuple[_Sample, ...] = ()  # rows with sample_mask set, in batch order
 
 
 @dataclass(frozen=True)
@@ -130,10 +138,10 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledStep | None:
         self.step_no += 1
-        decodes = [r for r in self.running if r.prefill_done]
+        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)]
         extends: list[_Item] = []
         chunk = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
-        can_prefill = bool(self.waiting) or len(decodes) < len(self.running)
+        can_prefill = bool(self.waiting) or any(not r.prefill_done for r in self.running)
         if can_prefill and decodes and self.cfg.enable_mixed:
             budget = min(chunk, self._mixed_prefill_cap(len(decodes)))
             if budget >= 1:
@@ -146,11 +154,15 @@ class Scheduler:
                 return self._build(extends, [])
         if decodes:
             return self._build([], self._reserve_decode(decodes))
-        if self.running:
+        if any(not r.prefill_done for r in self.running):
             # Only partial prefills remain and none can grow: free memory by preempting the newest.
             self._retract(self.running[-1])
             return self._schedule()
         return None
+
+    def _may_decode(self, req: Req) -> bool:
+        """False once the tokens sampled so far (incl. in flight) reach a length limit."""
+        return len(req.output_ids) < req.sampling.max_new_tokens and req.fill_len < self.max_context
 
     def _mixed_prefill_cap(self, num_decodes: int) -> int:
         ratio = self.cfg.max_prefill_ratio
@@ -168,6 +180,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and self.free_slots:
             req = self.waiting[0]
+            if PLACEHOLDER in req.output_ids[-1:]:
+                break  # its last token is still in flight; readmit once it is known
             hit = self.kv.match_prefix(req)
             n = min(req.fill_len - req.num_computed, budget)
             if self.kv.alloc(req, n, keep_free_pages) is None:
@@ -249,38 +263,56 @@ class Scheduler:
         )
         self._admissions.clear()
         self.pending_updates.clear()
+        samples = []
+        for it, sampled in zip(items, batch.sample_mask):
+            if sampled:
+                samples.append(_Sample(it.req, len(it.req.output_ids), not it.req.prefill_done))
+                it.req.output_ids.append(PLACEHOLDER)
+                it.req.prefill_done = True
         self.stats.record(mode, batch.batch_size, batch.num_tokens)
         logger.info("step %d: mode=%s batch_size=%d num_tokens=%d running=%d waiting=%d",
                     self.step_no, mode.name, batch.batch_size, batch.num_tokens, len(self.running), len(self.waiting))
-        return ScheduledStep(batch, reqs)
+        return ScheduledStep(batch, reqs, tuple(samples))
 
     # ---- results --------------------------------------------------------------------------
     def process_result(self, step: ScheduledStep, result: ForwardResult) -> list[ReqEvent]:
+        """Put each sampled token in its placeholder, check stops, release finished requests.
+
+        With overlap the next step may already be scheduled: a request can hold a further
+        placeholder, which is dropped if this token finishes it.
+        """
         events: list[ReqEvent] = []
-        sampled = [r for r, s in zip(step.reqs, step.batch.sample_mask) if s]
-        for i, req in enumerate(sampled):
-            if req.status != ReqStatus.RUNNING:
-                continue  # aborted or retracted after this step was scheduled
-            first_sample = not req.prefill_done
-            req.prefill_done = True
-            if first_sample:
+        for i, sample in enumerate(step.samples):
+            req = sample.req
+            if req.finished:
+                continue  # aborted (or finished by an earlier in-flight step)
+            token = int(result.next_token_ids[i])
+            req.output_ids[sample.output_index] = token
+            if sample.first and req.status == ReqStatus.RUNNING:
                 update = self.kv.cache_prefix(req)
                 if update is not None:
                     self.pending_updates.append(update)
-            req.output_ids.append(int(result.next_token_ids[i]))
-            if result.logprobs is not None:
-                req.output_logprobs.append(float(result.logprobs[i]))
-                n = req.sampling.logprobs or 0
-                if result.top_logprob_ids is not None and n:
-                    req.output_top_logprobs.append(
-                        list(zip(result.top_logprob_ids[i, :n].tolist(), result.top_logprob_values[i, :n].tolist()))
-                    )
-            reason = self.stop.check(req)
+            self._record_logprobs(req, result, i)
+            reason = self.stop.check(req, sample.output_index + 1)
             if reason is not None:
-                self._release(req)
+                del req.output_ids[sample.output_index + 1 :]
+                if req.status == ReqStatus.RUNNING:
+                    self._release(req)
+                else:
+                    self.waiting.remove(req)
                 self._finish(req, reason)
-            events.append(ReqEvent(req, (req.output_ids[-1],), req.finished))
+            events.append(ReqEvent(req, (token,), req.finished))
         return events
+
+    def _record_logprobs(self, req: Req, result: ForwardResult, row: int) -> None:
+        if result.logprobs is None or req.sampling.logprobs is None:
+            return
+        req.output_logprobs.append(float(result.logprobs[row]))
+        n = req.sampling.logprobs
+        if n and result.top_logprob_ids is not None and result.top_logprob_values is not None:
+            req.output_top_logprobs.append(
+                list(zip(result.top_logprob_ids[row, :n].tolist(), result.top_logprob_values[row, :n].tolist()))
+            )
 
     def _finish(self, req: Req, reason: str) -> None:
         req.status = ReqStatus.FINISHED

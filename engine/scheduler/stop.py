@@ -16,18 +16,19 @@ class StopChecker:
         self.max_context = max_context
         self.decode = decode
 
-    def check(self, req: Req) -> str | None:
-        """Return ``"stop"`` or ``"length"`` when ``req`` must finish after its latest token."""
-        sp, last = req.sampling, req.output_ids[-1]
+    def check(self, req: Req, num_outputs: int) -> str | None:
+        """``"stop"`` or ``"length"`` when ``req`` must finish after output token ``num_outputs - 1``
+        (later entries of ``output_ids`` may be placeholders of steps still in flight)."""
+        sp, last = req.sampling, req.output_ids[num_outputs - 1]
         if last in sp.stop_token_ids or (not sp.ignore_eos and last in self.eos_token_ids):
             return "stop"
         if sp.stop and self.decode is not None:
             window = max(len(s) for s in sp.stop) + 8
-            tail = self.decode(req.output_ids[-window:])
+            tail = self.decode(req.output_ids[max(0, num_outputs - window) : num_outputs])
             for s in sp.stop:
                 if s in tail:
                     req.matched_stop = s
                     return "stop"
-        if len(req.output_ids) >= sp.max_new_tokens or req.fill_len >= self.max_context:
+        if num_outputs >= sp.max_new_tokens or len(req.prompt_ids) + num_outputs >= self.max_context:
             return "length"
         return None
