@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from modeserve.service import bench_cmd, generate_cmd
+from modeserve.service import bench_cmd, client, engine_cmd, generate_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
+    client.add_parser(sub)
+    engine_cmd.add_parser(sub)
     return parser
 
 

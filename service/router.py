@@ -1,0 +1,113 @@
+"""The ``modeserve.v1.Generate`` service: tokenize, pick an engine loop, stream tokens and text."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import uuid
+from typing import Iterator, Sequence
+
+import grpc
+
+from modeserve.engine.tokenizer import Tokenizer
+from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
+from modeserve.service.engine_loop import EngineLoop, QueueFullError, RequestHandle
+from modeserve.service.request_params import RequestLimits, check_prompt_shape, sampling_from_proto
+from modeserve.service.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+GENERATE_SERVICE = "modeserve.v1.Generate"
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServicer):
+    def __init__(self, tokenizer: Tokenizer | None, loops: Sequence[EngineLoop], limits: RequestLimits,
+                 model_name: str, eos_token_ids: Sequence[int]) -> None:
+        if not loops:
+            raise ValueError("the router needs at least one engine")
+        self.tokenizer = tokenizer
+        self.loops = list(loops)
+        self.limits = limits
+        self.model_name = model_name
+        self.eos_token_ids = list(eos_token_ids)
+        self._rr = itertools.count()
+
+    def _pick_loop(self) -> EngineLoop:
+        start = next(self._rr)
+        order = self.loops[start % len(self.loops):] + self.loops[: start % len(self.loops)]
+        return min(order, key=lambda lp: lp.num_requests)
+
+    def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        check_prompt_shape(request, self.limits)
+        if request.token_ids:
+            return list(request.token_ids)
+        if self.tokenizer is None:
+            raise ValueError("text: this model has no tokenizer; send token_ids")
+        if request.chat:
+            return self.tokenizer.apply_chat_template(request.text)
+        ids = self.tokenizer.encode(request.text)
+        if not ids:
+            raise ValueError("text: the prompt is empty after tokenization")
+        return ids
+
+    def Generate(self, request: generate_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        loop = self._pick_loop()
+        try:
+            sampling = sampling_from_proto(request.sampling, self.limits)
+            prompt_ids = self._prompt_ids(request)
+            req = loop.make_request(rid, prompt_ids, sampling)
+            handle = loop.submit(req)
+        except QueueFullError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        context.add_callback(lambda: loop.abort(rid))  # client cancel or deadline: free its KV
+        yield from self._stream(rid, handle, sampling.stop, context)
+
+    def _stream(self, rid: str, handle: RequestHandle, stop: Sequence[str],
+                context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+        text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
+        num_out = 0
+        while True:
+            try:
+                upd = handle.updates.get(timeout=0.5)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            tokens = list(upd.token_ids)
+            num_out += len(tokens)
+            delta = text.push(tokens) if text is not None else ""
+            if upd.finish_reason is None:
+                if tokens:
+                    yield generate_pb2.GenerateResponse(request_id=rid, token_ids=tokens, text=delta,
+                                                        logprobs=list(upd.logprobs))
+                continue
+            if text is not None:
+                delta += text.finish()
+            req = handle.req
+            usage = generate_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_out,
+                                       cached_tokens=req.num_cached_prompt_tokens)
+            yield generate_pb2.GenerateResponse(request_id=rid, token_ids=tokens, text=delta,
+                                                finish_reason=upd.finish_reason, usage=usage,
+                                                logprobs=list(upd.logprobs))
+            return
+
+    def Tokenize(self, request: generate_pb2.TokenizeRequest,
+                 context: grpc.ServicerContext) -> generate_pb2.TokenizeResponse:
+        if self.tokenizer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+        if len(request.text) > self.limits.max_prompt_chars:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"text: over {self.limits.max_prompt_chars} characters")
+        assert self.tokenizer is not None
+        ids = self.tokenizer.apply_chat_template(request.text) if request.chat else self.tokenizer.encode(request.text)
+        return generate_pb2.TokenizeResponse(token_ids=ids)
+
+    def ModelInfo(self, request: generate_pb2.ModelInfoRequest,
+                  context: grpc.ServicerContext) -> generate_pb2.ModelInfoResponse:
+        return generate_pb2.ModelInfoResponse(model=self.model_name, context_length=self.limits.max_context,
+                                              vocab_size=self.limits.vocab_size, num_ranks=len(self.loops),
+                                              eos_token_ids=self.eos_token_ids)

@@ -1,0 +1,59 @@
+"""Assemble a router: engine loops (in-process or remote) + the Generate service on one server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from modeserve.engine.tokenizer import Tokenizer
+from modeserve.proto.v1 import generate_pb2_grpc
+from modeserve.service.engine_loop import EngineLoop
+from modeserve.service.grpc_common import GrpcServer, create_grpc_server
+from modeserve.service.request_params import RequestLimits
+from modeserve.service.router import GENERATE_SERVICE, GenerateServicer
+
+
+@dataclass
+class RouterApp:
+    server: GrpcServer
+    servicer: GenerateServicer
+    loops: list[EngineLoop]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.server.shutdown(grace).wait()
+        for loop in self.loops:
+            loop.stop()
+
+
+def start_router(address: str, loops: Sequence[EngineLoop], tokenizer: Tokenizer | None, limits: RequestLimits,
+                 model_name: str, eos_token_ids: Sequence[int]) -> RouterApp:
+    servicer = GenerateServicer(tokenizer, loops, limits, model_name, eos_token_ids)
+    for loop in loops:
+        loop.start()
+    server = create_grpc_server(
+        address, [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s)], [GENERATE_SERVICE]
+    )
+    return RouterApp(server, servicer, list(loops))
+
+
+def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
+                max_new_tokens_limit: int | None = None, **engine_kwargs: object) -> RouterApp:
+    """One process: router + scheduler + engine with the in-process transport."""
+    from modeserve.engine.llm import LLM
+    from modeserve.service.transport import InProcessTransport
+
+    llm = LLM(model=model, **engine_kwargs)
+    loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
+                      max_queued_requests=max_queued_requests, name="rank0")
+    limits = RequestLimits(
+        max_context=llm.runner.max_context,
+        vocab_size=llm.model_config.vocab_size,
+        max_new_tokens=max_new_tokens_limit or llm.runner.max_context,
+        max_prompt_chars=64 * llm.runner.max_context,
+    )
+    eos = llm.scheduler.stop.eos_token_ids
+    return start_router(address, [loop], llm.tokenizer, limits, llm.model_config.name, sorted(eos))

@@ -1,0 +1,36 @@
+"""``modeserve serve``: router + scheduler + engine in one process (in-process transport)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from modeserve.service.engine_args import add_engine_args, engine_kwargs
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("serve", help="serve the Generate gRPC API in one process")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step N+1 while step N runs (default on)")
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish streams on SIGTERM")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from modeserve.service.grpc_common import serve_until_signal
+    from modeserve.service.router_app import start_serve
+
+    app = start_serve(f"{args.host}:{args.port}", args.model, overlap=args.overlap,
+                      max_queued_requests=args.max_queued_requests, **engine_kwargs(args))
+    print(f"modeserve serve listening on {args.host}:{app.port}", flush=True)
+    code = serve_until_signal(app.server, args.grace_period)
+    for loop in app.loops:
+        loop.stop()
+    sys.stdout.flush()
+    return code

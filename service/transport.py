@@ -1,0 +1,100 @@
+"""How a scheduler reaches its engine: submit batches in step order, receive results in order.
+
+Two implementations with the same contract: in-process (a worker thread calling the model runner
+with the same message objects) and gRPC (one ``Engine.Forward`` stream).
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from typing import Iterator
+
+import grpc
+
+from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+
+
+class TransportError(RuntimeError):
+    """The engine is unreachable or refused a batch; the transport is unusable afterwards."""
+
+
+class EngineTransport(abc.ABC):
+    @abc.abstractmethod
+    def submit(self, batch: ForwardBatch) -> None:
+        """Queue ``batch``; returns at once (the engine may still be running earlier ones)."""
+
+    @abc.abstractmethod
+    def receive(self, timeout: float | None = None) -> ForwardResult:
+        """The result of the oldest submitted batch not yet received (``TransportError`` on failure)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+_CLOSE = object()
+
+
+class InProcessTransport(EngineTransport):
+    """Runs batches on a local ``ModelRunner`` in a worker thread (so scheduling overlaps compute)."""
+
+    def __init__(self, runner: object) -> None:
+        self._runner = runner
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (batch := self._inbox.get()) is not _CLOSE:
+            try:
+                self._results.put(self._runner.forward(batch))  # type: ignore[attr-defined]
+            except BaseException as exc:  # delivered to the scheduler thread
+                self._results.put(exc)
+
+    def submit(self, batch: ForwardBatch) -> None:
+        self._inbox.put(batch)
+
+    def receive(self, timeout: float | None = None) -> ForwardResult:
+        item = self._results.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise TransportError(f"engine failed: {item}") from item
+        return item
+
+    def close(self) -> None:
+        self._inbox.put(_CLOSE)
+
+
+class GrpcTransport(EngineTransport):
+    """One bidirectional ``Engine.Forward`` stream over a gRPC channel."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        from modeserve.proto.v1 import engine_pb2_grpc
+
+        self._requests: queue.Queue[object] = queue.Queue()
+        stub = engine_pb2_grpc.EngineStub(channel)
+        self._responses = stub.Forward(self._request_iter())
+
+    def _request_iter(self) -> Iterator[object]:
+        while (msg := self._requests.get()) is not _CLOSE:
+            yield msg
+
+    def submit(self, batch: ForwardBatch) -> None:
+        from modeserve.service.convert import batch_to_proto
+
+        self._requests.put(batch_to_proto(batch))
+
+    def receive(self, timeout: float | None = None) -> ForwardResult:
+        from modeserve.service.convert import result_from_proto
+
+        try:
+            return result_from_proto(next(self._responses))
+        except grpc.RpcError as exc:
+            raise TransportError(f"engine stream failed: {exc.code().name}: {exc.details()}") from exc
+        except StopIteration as exc:
+            raise TransportError("engine closed the stream") from exc
+
+    def close(self) -> None:
+        self._requests.put(_CLOSE)
+        self._responses.cancel()
