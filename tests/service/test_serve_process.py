@@ -1,0 +1,49 @@
+"""``modeserve serve`` as a process: SIGTERM lets in-flight streams finish, then exits 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from modeserve.service.client import Completion, GenerateClient
+
+
+def start(*args: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "listening on" in line, (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def test_sigterm_finishes_streams_then_exits_zero(tiny_model: Path) -> None:
+    proc, port = start("serve", "--model", str(tiny_model), "--port", "0", "--host", "127.0.0.1",
+                       "--grace-period", "30")
+    client = GenerateClient(f"127.0.0.1:{port}")
+    results: list[Completion] = []
+    started = threading.Barrier(5)
+
+    def one() -> None:
+        out = Completion()
+        for i, msg in enumerate(client.stream(token_ids=[5, 6, 7], max_new_tokens=150, ignore_eos=True)):
+            if i == 0:
+                started.wait(timeout=30)
+            out.token_ids.extend(msg.token_ids)
+            out.finish_reason = msg.finish_reason or out.finish_reason
+        results.append(out)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=30)  # every stream has its first tokens
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=60)
+    assert proc.wait(timeout=60) == 0
+    assert len(results) == 4
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 150 for r in results)
+    client.close()
