@@ -1,0 +1,83 @@
+"""Write a Hugging Face-style checkpoint (config.json + model.safetensors) with random weights of
+a named shape, for benchmarks and tests that need a model but not its knowledge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from modeserve.engine.models.model_config import parse_model_config
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
+          "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {**_LLAMA, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+             "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "llama-3.2-1b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "rope_theta": 500000.0},
+    "llama-3.1-8b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                     "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "rope_theta": 500000.0},
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                   "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645},
+}
+
+
+def random_state_dict(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random tensors under Hugging Face names for ``config`` (std 0.02; norms 1)."""
+    mc = parse_model_config(config)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    sd = {"model.embed_tokens.weight": rnd(mc.vocab_size, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+               p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+               p + "mlp.gate_proj.weight": rnd(mc.intermediate_size, h),
+               p + "mlp.up_proj.weight": rnd(mc.intermediate_size, h),
+               p + "mlp.down_proj.weight": rnd(h, mc.intermediate_size),
+               p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+               p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
+        if mc.attention_bias:
+            sd |= {p + "self_attn.q_proj.bias": rnd(q), p + "self_attn.k_proj.bias": rnd(kv),
+                   p + "self_attn.v_proj.bias": rnd(kv)}
+        if mc.qk_norm:
+            sd |= {p + "self_attn.q_norm.weight": torch.ones(mc.head_dim, dtype=dtype),
+                   p + "self_attn.k_norm.weight": torch.ones(mc.head_dim, dtype=dtype)}
+    if not mc.tie_word_embeddings:
+        sd["lm_head.weight"] = rnd(mc.vocab_size, h)
+    return sd
+
+
+def write_random_checkpoint(folder: str | Path, shape: str | dict[str, Any], seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """``shape``: a preset name (``tiny``, ``llama-3.2-1b``, ``llama-3.1-8b``, ``qwen3-0.6b``) or a config dict."""
+    if isinstance(shape, str):
+        if shape not in PRESETS:
+            raise ValueError(f"unknown model shape {shape!r}; presets: {sorted(PRESETS)}")
+        shape = PRESETS[shape]
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(shape, indent=1))
+    save_file(random_state_dict(shape, seed, dtype), str(out / "model.safetensors"))
+    return out
