@@ -26,6 +26,20 @@ def add_parser(sub: Any) -> None:
     off.add_argument("--seed", type=int, default=0)
     add_engine_args(off)
     off.set_defaults(func=run_offline)
+    srv = kinds.add_parser("serving", help="decode step through in-process vs gRPC engines, with and without overlap")
+    srv.add_argument("--model", default=None, help="HF folder or .gguf (default: a random model of --shape)")
+    srv.add_argument("--shape", default="tiny", help="random-weight shape when no --model (tiny, llama-3.2-1b, ...)")
+    srv.add_argument("--batch-sizes", default="1,32")
+    srv.add_argument("--steps", type=int, default=200, help="decode steps measured per run")
+    srv.add_argument("--prompt-len", type=int, default=16)
+    srv.set_defaults(func=run_serving)
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    from modeserve.service.bench_serving import run
+
+    print(json.dumps(run(args)))
+    return 0
 
 
 def run_offline(args: argparse.Namespace) -> int:

@@ -21,10 +21,14 @@ def _flag_type(hint: Any) -> tuple[type, bool]:
     return hint, False
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+ConfigClasses = tuple[type, ...]
+ALL: ConfigClasses = (RunnerConfig, SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, classes: ConfigClasses = ALL) -> None:
     group = parser.add_argument_group("engine")
     seen: set[str] = set()
-    for cls in (RunnerConfig, SchedulerConfig):
+    for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in _SKIP or f.name in seen:
@@ -39,9 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                    help=f"default: {f.default}")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace, classes: ConfigClasses = ALL) -> dict[str, Any]:
     """The engine flags the user set (unset ones keep the config defaults)."""
-    names = {f.name for cls in (RunnerConfig, SchedulerConfig) for f in dataclasses.fields(cls)} - _SKIP
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)} - _SKIP
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -1,0 +1,62 @@
+"""``modeserve engine``: serve one model runner over gRPC (``modeserve.v1.Engine``) until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from modeserve.service.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("engine", help="serve a model runner over gRPC (engine pod)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on stdout)")
+    p.add_argument("--dp-rank", type=int, default=0, help="this engine's data-parallel rank (reported by Describe)")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight streams get to finish after SIGTERM")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def grpc_address(host: str, port: int) -> str:
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {port}")
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from modeserve.engine.config import EngineConfig
+    from modeserve.engine.default_model import default_model_path
+    from modeserve.engine.models.loader import open_checkpoint
+    from modeserve.engine.runner.model_runner import ModelRunner
+    from modeserve.engine.tokenizer import load_tokenizer
+    from modeserve.service.engine_server import create_engine_server
+    from modeserve.service.grpc_common import serve_until_signal
+
+    if args.dp_rank < 0:
+        raise ValueError(f"--dp-rank must be >= 0, got {args.dp_rank}")
+    if args.grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+    address = grpc_address(args.host, args.port)
+    # Built the way engine.LLM builds its runner: same path default, same config split.
+    path = Path(args.model) if args.model is not None else default_model_path()
+    config = EngineConfig.from_kwargs(model=str(path), **engine_kwargs(args))
+    ckpt = open_checkpoint(path)
+    tokenizer = load_tokenizer(path)
+    eos = (tokenizer.eos_token_ids if tokenizer is not None else ()) + ckpt.config.eos_token_ids
+    runner = ModelRunner(config.runner, ckpt)
+    srv = create_engine_server(runner, address, model_path=str(path), eos_token_ids=eos, dp_rank=args.dp_rank)
+    host = address.rsplit(":", 1)[0]
+    print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
+    logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, ckpt.config.name, runner.num_kv_slots,
+                runner.device)
+    code = serve_until_signal(srv, args.grace_period)
+    sys.stdout.flush()
+    return code

@@ -1,0 +1,167 @@
+"""The engine pod's gRPC service (``modeserve.v1.Engine``): ForwardBatch steps in, results out.
+
+One ``ModelRunner`` serves every stream; it is not thread-safe, so forwards run one at a time under
+a lock. Each stream is independent: a bad batch ends only the stream that sent it, and validation
+(``convert.batch_from_proto``) happens before the runner is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Iterator, NoReturn, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from modeserve.engine.runner.model_runner import ModelRunner
+from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
+from modeserve.service.convert import BatchLimits, batch_from_proto, result_to_proto
+from modeserve.service.grpc_common import GrpcServer, create_grpc_server
+
+logger = logging.getLogger(__name__)
+
+ENGINE_SERVICE = "modeserve.v1.Engine"
+
+
+def batch_limits(runner: ModelRunner) -> BatchLimits:
+    return BatchLimits(
+        max_reqs=runner.cfg.max_running_requests,
+        max_context=runner.max_context,
+        num_kv_slots=runner.num_kv_slots,
+        vocab_size=runner.model_config.vocab_size,
+    )
+
+
+def describe_runner(runner: ModelRunner, model_path: str | None = None,
+                    eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0) -> engine_pb2.EngineDescription:
+    """What a scheduler needs to drive this engine. ``eos_token_ids`` defaults to the checkpoint's."""
+    eos = runner.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids
+    return engine_pb2.EngineDescription(
+        model=runner.model_config.name,
+        model_path=model_path if model_path is not None else (runner.cfg.model or ""),
+        num_kv_slots=runner.num_kv_slots,
+        page_size=runner.cfg.page_size,
+        max_running_requests=runner.cfg.max_running_requests,
+        max_context_len=runner.max_context,
+        vocab_size=runner.model_config.vocab_size,
+        eos_token_ids=list(dict.fromkeys(eos)),
+        cuda_graph_batch_sizes=[],  # no CUDA graphs captured in this build
+        dp_rank=dp_rank,
+        device=str(runner.device),
+        dtype=runner.cfg.torch_dtype_name,
+        attention_backend=runner.attention_backend_name,
+    )
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, runner: ModelRunner, description: engine_pb2.EngineDescription) -> None:
+        self._runner = runner
+        self._limits = batch_limits(runner)
+        self._description = description
+        self._health: health.HealthServicer | None = None
+        self._forward_lock = threading.Lock()  # the runner runs one batch at a time
+        self._state_lock = threading.Lock()  # guards the two fields below
+        self._active_streams = 0
+        self._draining = False
+
+    def attach_health(self, health_servicer: health.HealthServicer) -> None:
+        """Report the Engine service NOT_SERVING (readiness) once draining; liveness is untouched."""
+        with self._state_lock:
+            self._health = health_servicer
+        if self.draining:
+            self._set_not_serving()
+
+    def _set_not_serving(self) -> None:
+        if self._health is not None:
+            self._health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def draining(self) -> bool:
+        with self._state_lock:
+            return self._draining
+
+    @property
+    def active_streams(self) -> int:
+        with self._state_lock:
+            return self._active_streams
+
+    def drain(self) -> int:
+        """Refuse new Forward streams from now on; returns the streams still running."""
+        with self._state_lock:
+            self._draining = True
+            active = self._active_streams
+        self._set_not_serving()
+        return active
+
+    @contextlib.contextmanager
+    def _stream(self, context: grpc.ServicerContext) -> Iterator[None]:
+        with self._state_lock:
+            draining = self._draining
+            if not draining:
+                self._active_streams += 1
+        if draining:
+            _abort(context, grpc.StatusCode.UNAVAILABLE, "engine is draining: it accepts no new Forward streams")
+        try:
+            yield
+        finally:
+            with self._state_lock:
+                self._active_streams -= 1
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+    def Forward(self, request_iterator: Iterator[forward_pb2.ForwardBatch],
+                context: grpc.ServicerContext) -> Iterator[forward_pb2.ForwardResult]:
+        with self._stream(context):
+            for msg in request_iterator:
+                yield self._forward_one(msg, context)
+
+    def _forward_one(self, msg: forward_pb2.ForwardBatch, context: grpc.ServicerContext) -> forward_pb2.ForwardResult:
+        try:
+            batch = batch_from_proto(msg, self._limits)
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
+        error: tuple[grpc.StatusCode, str] | None = None
+        with self._forward_lock:
+            start = time.perf_counter()
+            try:
+                result = self._runner.forward(batch)
+            except ValueError as exc:  # e.g. a known forward mode this build does not implement
+                error = (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
+            except Exception as exc:  # a device or model failure: end this stream, keep serving
+                logger.exception("forward of step %d failed", msg.step)
+                error = (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
+            seconds = time.perf_counter() - start
+        if error is not None:
+            _abort(context, *error)
+        return result_to_proto(result, msg.step, seconds)
+
+    def Describe(self, request: engine_pb2.DescribeRequest,
+                 context: grpc.ServicerContext) -> engine_pb2.EngineDescription:
+        return self._description
+
+    def Drain(self, request: engine_pb2.DrainRequest, context: grpc.ServicerContext) -> engine_pb2.DrainResponse:
+        active = self.drain()
+        return engine_pb2.DrainResponse(drained=active == 0, active_streams=active)
+
+
+def create_engine_server(runner: ModelRunner, address: str, *, model_path: str | None = None,
+                         eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0) -> GrpcServer:
+    """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection.
+
+    Draining marks the Engine service NOT_SERVING (readiness) while liveness ``""`` stays SERVING.
+    """
+    servicer = EngineServicer(runner, describe_runner(runner, model_path, eos_token_ids, dp_rank))
+    srv = create_grpc_server(
+        address,
+        [lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)],
+        [ENGINE_SERVICE],
+    )
+    servicer.attach_health(srv.health)
+    return srv

@@ -1,0 +1,98 @@
+"""``modeserve router --engines host:port[,...]``: the Generate service over remote engine servers,
+one scheduler (and one Forward stream) per engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from modeserve.engine.config import SchedulerConfig
+from modeserve.engine.scheduler.scheduler import Scheduler
+from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
+from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
+from modeserve.service.engine_args import add_engine_args, engine_kwargs
+from modeserve.service.engine_loop import EngineLoop
+from modeserve.service.grpc_common import MAX_MESSAGE_BYTES
+from modeserve.service.request_params import RequestLimits
+from modeserve.service.router_app import RouterApp, start_router
+from modeserve.service.transport import GrpcTransport
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("router", help="serve Generate over remote engine servers")
+    p.add_argument("--engines", required=True, help="comma-separated host:port of engine servers")
+    p.add_argument("--model", default=None, help="where to load the tokenizer (default: the engine's model path)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--grace-period", type=float, default=30.0)
+    p.add_argument("--engine-wait", type=float, default=120.0, help="seconds to wait for engines to be SERVING")
+    add_engine_args(p, (SchedulerConfig,))
+    p.set_defaults(func=run)
+
+
+def wait_serving(channel: grpc.Channel, service: str, timeout: float) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"engine did not report SERVING within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
+                   wait: float) -> tuple[EngineLoop, engine_pb2.EngineDescription]:
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    wait_serving(channel, "modeserve.v1.Engine", wait)
+    desc = engine_pb2_grpc.EngineStub(channel).Describe(engine_pb2.DescribeRequest(), timeout=10)
+    cfg = dataclasses.replace(sched_cfg, max_running_requests=min(sched_cfg.max_running_requests,
+                                                                  desc.max_running_requests))
+    scheduler = Scheduler(cfg, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
+                          max_context=desc.max_context_len, vocab_size=desc.vocab_size,
+                          eos_token_ids=tuple(desc.eos_token_ids))
+    return EngineLoop(scheduler, GrpcTransport(channel), overlap=overlap, max_queued_requests=max_queued,
+                      name=address), desc
+
+
+def start_remote_router(address: str, engines: list[str], model: str | None, sched_cfg: SchedulerConfig,
+                        overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0) -> RouterApp:
+    connected = [connect_engine(e, sched_cfg, overlap, max_queued_requests, wait) for e in engines]
+    loops = [c[0] for c in connected]
+    desc = connected[0][1]
+    tokenizer: Tokenizer | None = load_tokenizer(model or desc.model_path) if (model or Path(desc.model_path).exists()) else None
+    for loop in loops:
+        if tokenizer is not None:
+            loop.scheduler.stop.decode = tokenizer.decode
+    limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
+                           max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
+    return start_router(address, loops, tokenizer, limits, desc.model, list(desc.eos_token_ids))
+
+
+def run(args: argparse.Namespace) -> int:
+    from modeserve.service.grpc_common import serve_until_signal
+
+    sched_kwargs = engine_kwargs(args, (SchedulerConfig,))
+    app = start_remote_router(f"{args.host}:{args.port}", [e for e in args.engines.split(",") if e], args.model,
+                              SchedulerConfig(**sched_kwargs), args.overlap, args.max_queued_requests,
+                              args.engine_wait)
+    print(f"modeserve router listening on {args.host}:{app.port}", flush=True)
+    code = serve_until_signal(app.server, args.grace_period)
+    for loop in app.loops:
+        loop.stop()
+    return code
+
+
