@@ -1,0 +1,70 @@
+"""``modeserve router`` + separate ``modeserve engine`` processes, through real gRPC clients."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from modeserve.engine.config import SchedulerConfig
+from modeserve.service.client import GenerateClient
+from modeserve.service.router_cmd import start_remote_router
+from tests.engine.tiny_models import COMMON, mixed_prompts
+from tests.service.test_serve import reference
+
+
+def spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path) -> Iterator[list[str]]:
+    procs = [spawn("engine", "--model", str(tiny_model), "--host", "127.0.0.1", "--port", "0", "--page-size", "4",
+                   "--kv-cache-tokens", "2048", "--dp-rank", str(rank)) for rank in range(2)]
+    yield [addr for _, addr in procs]
+    for proc, _ in procs:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_64_streams_over_remote_engines_equal_llm_generate(engines: list[str], tiny_model: Path,
+                                                            num_engines: int) -> None:
+    app = start_remote_router("127.0.0.1:0", engines[:num_engines], None,
+                              SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        prompts = mixed_prompts(64, COMMON["vocab_size"], seed=8, max_len=40)
+        expect = reference(tiny_model, prompts, 8)
+        with ThreadPoolExecutor(64) as pool:
+            outs = list(pool.map(lambda p: client.generate(token_ids=p, max_new_tokens=8, ignore_eos=True), prompts))
+        assert [o.token_ids for o in outs] == expect
+        assert client.model_info().num_ranks == num_engines
+        steps = [loop.scheduler.stats.get_stats()["mode_distribution"] for loop in app.loops]
+        assert all(s.get("DECODE", 0) > 0 for s in steps)  # every engine took work
+    finally:
+        client.close()
+        app.stop(grace=1)
+
+
+def test_router_command(engines: list[str], tiny_model: Path) -> None:
+    proc, addr = spawn("router", "--engines", engines[0], "--host", "127.0.0.1", "--port", "0")
+    client = GenerateClient(addr)
+    try:
+        prompt = [5, 9, 11, 13]
+        out = client.generate(token_ids=prompt, max_new_tokens=6, ignore_eos=True)
+        assert out.token_ids == reference(tiny_model, [prompt], 6)[0]
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
