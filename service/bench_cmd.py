@@ -32,6 +32,9 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("--batch-sizes", default="1,32")
     srv.add_argument("--steps", type=int, default=200, help="decode steps measured per run")
     srv.add_argument("--prompt-len", type=int, default=16)
+    srv.add_argument("--repeats", type=int, default=3, help="measurements per configuration (median reported)")
+    srv.add_argument("--threads", type=int, default=1,
+                     help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
     srv.set_defaults(func=run_serving)
 
 

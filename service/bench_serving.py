@@ -4,6 +4,8 @@ over gRPC on loopback, with and without overlap, at several batch sizes (JSON ou
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -12,26 +14,30 @@ from pathlib import Path
 from typing import Any, Generator
 
 import grpc
+import torch
 
 from modeserve.engine.config import SchedulerConfig
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.engine_loop import EngineLoop
 
 
-def _measure(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int) -> float:
-    """Microseconds per decode step: from the moment every request has its first token to the end."""
-    sp = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True)
+def _run_batch(loop: EngineLoop, batch_size: int, prompt_len: int, new_tokens: int) -> float:
+    """Seconds for ``batch_size`` requests of ``new_tokens`` tokens each, submitted together."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
     handles = [loop.submit(loop.make_request(f"b{batch_size}-{i}-{time.monotonic_ns()}",
                                              [3 + (i + j) % 200 for j in range(prompt_len)], sp))
                for i in range(batch_size)]
-    first: list[float] = []
-    for h in handles:
-        h.updates.get(timeout=120)
-        first.append(time.perf_counter())
-    for h in handles:
-        while h.updates.get(timeout=120).finish_reason is None:
+    for h in handles:  # drained one request at a time: the consumer wakes rarely during decode
+        while h.updates.get(timeout=300).finish_reason is None:
             pass
-    return (time.perf_counter() - max(first)) / steps * 1e6
+    return time.perf_counter() - start
+
+
+def _measure(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int) -> float:
+    """Microseconds per decode step: (time with ``steps`` more tokens - time with one) / steps."""
+    return (_run_batch(loop, batch_size, prompt_len, steps + 1) - _run_batch(loop, batch_size, prompt_len, 1)) \
+        / steps * 1e6
 
 
 def _local_loop(model: str, overlap: bool, engine_args: dict[str, Any]) -> EngineLoop:
@@ -42,10 +48,12 @@ def _local_loop(model: str, overlap: bool, engine_args: dict[str, Any]) -> Engin
     return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap, name="local")
 
 
-def _remote_engine(model: str, engine_args: dict[str, Any]) -> Generator[str, None, None]:
+def _remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "engine", "--model", model,
-                             "--host", "127.0.0.1", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
+                             "--host", "127.0.0.1", "--port", "0", *flags], stdout=subprocess.PIPE, text=True,
+                            env=env)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -65,36 +73,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine_args = {"page_size": 16, "max_running_requests": max(batch_sizes)}
-    rows: list[dict[str, Any]] = []
-    for overlap in (False, True):
-        loop = _local_loop(model, overlap, engine_args)
-        loop.start()
-        for bs in batch_sizes:
-            _measure(loop, bs, args.prompt_len, 8)  # warm-up
-            rows.append({"transport": "inprocess", "overlap": overlap, "batch_size": bs,
-                         "us_per_decode_step": round(_measure(loop, bs, args.prompt_len, args.steps), 1)})
-        loop.stop()
-    remote = _remote_engine(model, engine_args)
+    torch.set_num_threads(args.threads)  # the in-process engines; the remote one gets the same
+    remote = _remote_engine(model, engine_args, args.threads)
     address = next(remote)
+    loops: dict[tuple[str, bool], EngineLoop] = {}
     for overlap in (False, True):
-        loop, _ = connect_engine(address, SchedulerConfig(max_running_requests=max(batch_sizes)), overlap, 1024, 60)
+        loops["inprocess", overlap] = _local_loop(model, overlap, engine_args)
+        loops["grpc", overlap] = connect_engine(address, SchedulerConfig(max_running_requests=max(batch_sizes)),
+                                                overlap, 1024, 60)[0]
+    for loop in loops.values():
         loop.start()
-        for bs in batch_sizes:
-            _measure(loop, bs, args.prompt_len, 8)
-            rows.append({"transport": "grpc", "overlap": overlap, "batch_size": bs,
-                         "us_per_decode_step": round(_measure(loop, bs, args.prompt_len, args.steps), 1)})
+    samples: dict[tuple[str, bool, int], list[float]] = {}
+    for rep in range(args.repeats + 1):  # round 0 warms up; rounds interleave the configurations
+        for (transport, overlap), loop in loops.items():
+            for bs in batch_sizes:
+                value = _measure(loop, bs, args.prompt_len, args.steps if rep else 8)
+                if rep:
+                    samples.setdefault((transport, overlap, bs), []).append(value)
+    for loop in loops.values():
         loop.stop()
     remote.close()
     tmp.cleanup()
+    rows = [{"transport": t, "overlap": o, "batch_size": bs, "us_per_decode_step": round(statistics.median(v), 1),
+             "us_min_max": [round(min(v), 1), round(max(v), 1)]} for (t, o, bs), v in samples.items()]
 
     def us(transport: str, overlap: bool, bs: int) -> float:
-        return next(r["us_per_decode_step"] for r in rows
-                    if (r["transport"], r["overlap"], r["batch_size"]) == (transport, overlap, bs))
+        return statistics.median(samples[transport, overlap, bs])
 
     ratios = {f"bs{bs}": {"grpc_overlap_vs_inprocess_overlap": round(us("grpc", True, bs) / us("inprocess", True, bs), 3),
                           "grpc_overlap_vs_inprocess_sync": round(us("grpc", True, bs) / us("inprocess", False, bs), 3),
                           "grpc_sync_vs_inprocess_sync": round(us("grpc", False, bs) / us("inprocess", False, bs), 3)}
               for bs in batch_sizes}
     return {"bench": "serving", "model": args.model or f"random:{args.shape}", "device": "cpu",
-            "prompt_len": args.prompt_len, "decode_steps": args.steps, "results": rows, "ratios": ratios,
+            "torch_threads_per_engine": args.threads, "prompt_len": args.prompt_len, "decode_steps": args.steps, "repeats": args.repeats,
+            "results": rows, "ratios": ratios,
             "grpc_version": grpc.__version__}

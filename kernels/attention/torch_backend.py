@@ -72,16 +72,20 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = _additive(allowed, inputs.dtype)
                 self._extend.append(_ExtendRow(start, start + ext, kv_idx, mask))
             start += ext
+        seq_lens_cpu = inputs.seq_lens_cpu
+        decode_lens = [seq_lens_cpu[i] for i in decode_rows]
         self._decode = [
-            self._decode_group(inputs, [decode_rows[j] for j in group], [decode_tokens[j] for j in group])
-            for group in _length_buckets([inputs.seq_lens_cpu[i] for i in decode_rows])
+            self._decode_group(inputs, [decode_rows[j] for j in group], [decode_tokens[j] for j in group],
+                               decode_lens[group[0]])
+            for group in _length_buckets(decode_lens)
         ]
 
-    def _decode_group(self, inputs: AttentionInputs, rows_cpu: list[int], tokens_cpu: list[int]) -> _DecodeRows:
+    def _decode_group(self, inputs: AttentionInputs, rows_cpu: list[int], tokens_cpu: list[int],
+                      s_max: int) -> _DecodeRows:
+        """One padded group; ``s_max`` is its longest sequence (groups start with their longest)."""
         device = inputs.req_to_token.device
         rows = torch.tensor(rows_cpu, device=device)
         seq_lens = inputs.seq_lens[rows]  # [Bd]
-        s_max = max(inputs.seq_lens_cpu[i] for i in rows_cpu)
         k_pos = torch.arange(s_max, device=device)[None, :]
         valid = k_pos < seq_lens[:, None]
         if self.sliding_window is not None:
