@@ -18,18 +18,18 @@ class TextStream:
 
     def push(self, token_ids: Sequence[int]) -> str:
         self._text += self._detok.push(token_ids)
-        upto = max(self._sent, len(self._text) - self._hold)
+        upto = max(self._sent, min(len(self._text) - self._hold, self._first_stop()))
         delta, self._sent = self._text[self._sent : upto], upto
         return delta
 
     def finish(self) -> str:
         """The rest of the text, cut before the first stop string (stop strings are not returned)."""
         self._text += self._detok.flush()
-        end = len(self._text)
-        for s in self._stop:
-            i = self._text.find(s)
-            if i != -1:
-                end = min(end, i)
-        delta = self._text[self._sent : max(end, self._sent)]
+        delta = self._text[self._sent : max(self._first_stop(), self._sent)]
         self._sent = len(self._text)
         return delta
+
+    def _first_stop(self) -> int:
+        """Index of the earliest complete stop string in the text (its length when there is none)."""
+        found = [i for s in self._stop if (i := self._text.find(s, self._sent)) != -1]  # none starts earlier
+        return min(found, default=len(self._text))
