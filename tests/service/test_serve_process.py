@@ -47,3 +47,16 @@ def test_sigterm_finishes_streams_then_exits_zero(tiny_model: Path) -> None:
     assert len(results) == 4
     assert all(r.finish_reason == "length" and len(r.token_ids) == 150 for r in results)
     client.close()
+
+
+def test_client_command_against_serve_on_default_model() -> None:
+    proc, port = start("serve", "--port", "0", "--host", "127.0.0.1")
+    try:
+        out = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "client",
+                              "What is the capital of France?", "--server", f"127.0.0.1:{port}",
+                              "--max-new-tokens", "16"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
