@@ -63,7 +63,10 @@ class InProcessTransport(EngineTransport):
         return item
 
     def close(self) -> None:
+        """Stop the worker and wait for it: a daemon thread still running (or freeing tensors)
+        while the interpreter exits aborts the process."""
         self._inbox.put(_CLOSE)
+        self._thread.join(timeout=30)
 
 
 class GrpcTransport(EngineTransport):
