@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -15,7 +14,7 @@ from modeserve.engine.config import SchedulerConfig
 from modeserve.service.client import GenerateClient
 from modeserve.service.router_cmd import start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
-from tests.service.test_serve import reference
+from tests.service.test_serve import generate_all, reference
 
 
 def spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
@@ -46,8 +45,7 @@ def test_64_streams_over_remote_engines_equal_llm_generate(engines: list[str], t
     try:
         prompts = mixed_prompts(64, COMMON["vocab_size"], seed=8, max_len=40)
         expect = reference(tiny_model, prompts, 8)
-        with ThreadPoolExecutor(64) as pool:
-            outs = list(pool.map(lambda p: client.generate(token_ids=p, max_new_tokens=8, ignore_eos=True), prompts))
+        outs = generate_all(client, prompts, 8)
         assert [o.token_ids for o in outs] == expect
         assert client.model_info().num_ranks == num_engines
         steps = [loop.scheduler.stats.get_stats()["mode_distribution"] for loop in app.loops]

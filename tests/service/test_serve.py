@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeserve.engine import LLM, SamplingParams
-from modeserve.service.client import GenerateClient
+from modeserve.service.client import Completion, GenerateClient
 from modeserve.service.router_app import RouterApp, start_serve
 from tests.engine.tiny_models import COMMON, mixed_prompts
 
@@ -39,6 +38,13 @@ def reference(tiny_model: Path, prompts: list[list[int]], max_new: int) -> list[
     llm = LLM(model=str(tiny_model), page_size=16)
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+
+
+def generate_all(client: GenerateClient, prompts: list[list[int]], max_new: int) -> list[Completion]:
+    """All prompts as concurrent greedy streams (one thread each)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(token_ids=p, max_new_tokens=max_new, ignore_eos=True),
+                             prompts))
 
 
 def wait_idle(app: RouterApp, timeout: float = 10.0) -> None:
@@ -68,8 +74,7 @@ def test_64_concurrent_streams_all_complete_and_correct(app: RouterApp, client: 
                                                          tiny_model: Path) -> None:
     prompts = mixed_prompts(64, COMMON["vocab_size"], seed=6, max_len=40)
     expect = reference(tiny_model, prompts, 8)
-    with ThreadPoolExecutor(64) as pool:
-        outs = list(pool.map(lambda p: client.generate(token_ids=p, max_new_tokens=8, ignore_eos=True), prompts))
+    outs = generate_all(client, prompts, 8)
     assert [o.token_ids for o in outs] == expect
     assert all(o.finish_reason == "length" for o in outs)
     wait_idle(app)
@@ -177,8 +182,7 @@ def test_preemption_under_load_keeps_streams_exact(tiny_model: Path, overlap: bo
     try:
         prompts = mixed_prompts(16, COMMON["vocab_size"], seed=7, max_len=40)
         expect = reference(tiny_model, prompts, 12)
-        with ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(lambda p: c.generate(token_ids=p, max_new_tokens=12, ignore_eos=True), prompts))
+        outs = generate_all(c, prompts, 12)
         assert [o.token_ids for o in outs] == expect
         assert tight.loops[0].scheduler.stats.num_retractions > 0
         wait_idle(tight)
