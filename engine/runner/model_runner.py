@@ -67,10 +67,11 @@ class ModelRunner:
 
     def _init_attention(self) -> None:
         mc = self.model_config
-        self.attention_backend_name = resolve_backend_name(self.cfg.attention_backend, self.device)
+        self.attention_backend_name = resolve_backend_name(self.cfg.attention_backend, self.device, self.dtype)
         self.attn = create_attention_backend(
             self.attention_backend_name,
             self.device,
+            self.dtype,
             kv_cache=self.kv_cache,
             num_heads=mc.num_heads,
             scale=1.0 / math.sqrt(mc.head_dim),

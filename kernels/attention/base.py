@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -60,28 +61,35 @@ BackendFactory = Callable[..., AttentionBackend]
 # name -> "module:Class", imported only when chosen
 _BACKENDS: dict[str, str] = {
     "torch": "modeserve.kernels.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "modeserve.kernels.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto`` picks flashinfer on CUDA when importable, else triton on CUDA, else torch."""
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """``auto``: flashinfer on CUDA for fp16/bf16 when installed, else torch (the reference)."""
     if name != "auto":
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+        if name == "flashinfer" and (device.type != "cuda" or dtype not in _HALF):
+            raise ValueError("attention backend flashinfer needs a CUDA device and dtype float16 or bfloat16")
         return name
-    if device.type == "cuda":
-        for candidate in ("flashinfer", "triton"):
-            if candidate in _BACKENDS:
-                return candidate
+    if device.type == "cuda" and dtype in _HALF and _importable("flashinfer"):
+        return "flashinfer"
     return "torch"
 
 
-def create_attention_backend(name: str, device: torch.device, **kwargs: object) -> AttentionBackend:
-    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device)].split(":")
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                             **kwargs: object) -> AttentionBackend:
+    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device, dtype)].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     backend: AttentionBackend = cls(**kwargs)
     return backend

@@ -1,0 +1,56 @@
+"""The engine on a CUDA device: fp32 greedy equals transformers; the FlashInfer backend's logits
+equal the torch reference backend's in bf16, step by step (teacher-forced), in every mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from modeserve.engine import LLM, SamplingParams
+from modeserve.engine.forward_batch import ForwardResult
+from tests.engine.tiny_models import COMMON, load_reference, make_tiny_model, mixed_prompts, reference_greedy
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+SCHED = dict(chunked_prefill_size=16, enable_mixed=True, max_prefill_ratio=0.9)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "mistral-window"])
+def test_fp32_cuda_greedy_equals_transformers(tmp_path: Path, arch: str) -> None:
+    folder = make_tiny_model(arch, tmp_path / arch)
+    ref = load_reference(folder)
+    prompts = mixed_prompts(8, COMMON["vocab_size"], seed=11)
+    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, **SCHED)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(ref, p, 10)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window"])
+def test_flashinfer_logits_equal_torch_backend_bf16(tmp_path: Path, arch: str, page_size: int) -> None:
+    pytest.importorskip("flashinfer")
+    folder = make_tiny_model(arch, tmp_path / arch)
+    prompts = mixed_prompts(8, COMMON["vocab_size"], seed=12, shared_prefix=16)
+    kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, **SCHED)
+    fi, ref = LLM(model=str(folder), attention_backend="flashinfer", **kw), LLM(model=str(folder),
+                                                                                 attention_backend="torch", **kw)
+    assert fi.runner.attention_backend_name == "flashinfer"
+    for llm in (fi, ref):
+        llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)  # warm the prefix cache
+        for p in prompts:
+            llm.add_request(llm.make_request(p, GREEDY))
+    modes = set()
+    while fi.scheduler.has_work:
+        a, b = fi.scheduler.schedule(), ref.scheduler.schedule()
+        assert a is not None and b is not None and a.batch.forward_mode == b.batch.forward_mode
+        modes.add(a.batch.forward_mode.name)
+        la, lb = fi.runner.compute_logits(a.batch), ref.runner.compute_logits(b.batch)
+        torch.testing.assert_close(la, lb, rtol=5e-2, atol=5e-2 * float(lb.abs().max()))
+        tokens = la.argmax(-1).cpu().numpy().astype(np.int64)  # both follow the same tokens
+        fi.scheduler.process_result(a, ForwardResult(tokens))
+        ref.scheduler.process_result(b, ForwardResult(tokens))
+    assert {"MIXED", "DECODE"} <= modes
