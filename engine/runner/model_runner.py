@@ -67,7 +67,8 @@ class ModelRunner:
 
     def _init_attention(self) -> None:
         mc = self.model_config
-        self.attention_backend_name = resolve_backend_name(self.cfg.attention_backend, self.device, self.dtype)
+        self.attention_backend_name = resolve_backend_name(self.cfg.attention_backend, self.device, self.dtype,
+                                                           mc.head_dim)
         self.attn = create_attention_backend(
             self.attention_backend_name,
             self.device,

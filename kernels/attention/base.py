@@ -64,6 +64,7 @@ _BACKENDS: dict[str, str] = {
     "flashinfer": "modeserve.kernels.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 _HALF = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its Hopper prefill kernels are built for
 
 
 def available_backends() -> list[str]:
@@ -74,22 +75,25 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                         head_dim: int = 128) -> str:
     """``auto``: flashinfer on CUDA for fp16/bf16 when installed, else torch (the reference)."""
+    flashinfer_ok = device.type == "cuda" and dtype in _HALF and head_dim in FLASHINFER_HEAD_DIMS
     if name != "auto":
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
-        if name == "flashinfer" and (device.type != "cuda" or dtype not in _HALF):
-            raise ValueError("attention backend flashinfer needs a CUDA device and dtype float16 or bfloat16")
+        if name == "flashinfer" and not flashinfer_ok:
+            raise ValueError(f"attention backend flashinfer needs a CUDA device, dtype float16 or bfloat16 and "
+                             f"head_dim in {FLASHINFER_HEAD_DIMS} (got {device.type}, {dtype}, {head_dim})")
         return name
-    if device.type == "cuda" and dtype in _HALF and _importable("flashinfer"):
+    if flashinfer_ok and _importable("flashinfer"):
         return "flashinfer"
     return "torch"
 
 
-def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
-                             **kwargs: object) -> AttentionBackend:
-    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device, dtype)].split(":")
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
+                             num_heads: int, scale: float, sliding_window: int | None) -> AttentionBackend:
+    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device, dtype, kv_cache.head_dim)].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    backend: AttentionBackend = cls(**kwargs)
+    backend: AttentionBackend = cls(kv_cache, num_heads, scale, sliding_window)
     return backend

@@ -33,7 +33,7 @@ def test_fp32_cuda_greedy_equals_transformers(tmp_path: Path, arch: str) -> None
 @pytest.mark.parametrize("arch", ["llama3", "mistral-window"])
 def test_flashinfer_logits_equal_torch_backend_bf16(tmp_path: Path, arch: str, page_size: int) -> None:
     pytest.importorskip("flashinfer")
-    folder = make_tiny_model(arch, tmp_path / arch)
+    folder = make_tiny_model(arch, tmp_path / arch, head_dim=64)  # FlashInfer's Hopper kernels: 64/128/256
     prompts = mixed_prompts(8, COMMON["vocab_size"], seed=12, shared_prefix=16)
     kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, **SCHED)
     fi, ref = LLM(model=str(folder), attention_backend="flashinfer", **kw), LLM(model=str(folder),

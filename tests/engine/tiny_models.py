@@ -42,10 +42,11 @@ ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
 }
 
 
-def make_tiny_model(name: str, folder: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_tiny_model(name: str, folder: Path, seed: int = 0, max_shard_size: str | None = None,
+                    **overrides: Any) -> Path:
     cfg_cls, model_cls, extra = ARCHS[name]
     torch.manual_seed(seed)
-    cfg = cfg_cls(**{**COMMON, **extra})
+    cfg = cfg_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(cfg).float().eval()
     with torch.no_grad():  # biases are zero-initialised; make them matter
         for n, p in model.named_parameters():
