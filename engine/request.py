@@ -60,6 +60,14 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
+    def num_known(self) -> int:
+        """Leading tokens whose ids are known (placeholders of in-flight steps sit at the end)."""
+        n = self.fill_len
+        while n > len(self.prompt_ids) and self.output_ids[n - len(self.prompt_ids) - 1] == PLACEHOLDER:
+            n -= 1
+        return n
+
+    @property
     def num_computed(self) -> int:
         return len(self.kv_locs)
 

@@ -1,9 +1,10 @@
 """``EngineLoop``: one thread per engine that owns a scheduler and drives its transport.
 
 Other threads talk to it only through thread-safe calls (``submit``, ``abort``); the scheduler
-is touched by the loop thread alone. With ``overlap`` the loop keeps two steps in flight: it
-schedules and sends step N+1 while the engine still runs step N (placeholders stand for the
-tokens N will sample), so the device never waits for the network or the scheduler.
+is touched by the loop thread alone. With ``overlap`` the loop keeps up to ``OVERLAP_DEPTH`` steps
+in flight: it schedules and sends steps N+1, N+2 while the engine still runs step N (placeholders
+stand for tokens not sampled yet; the engine resolves them), so the device never waits for the
+network or the scheduler.
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ class RequestHandle:
 
 
 class EngineLoop:
+    # Steps in flight with overlap: step N+2 is already queued at the engine while step N's result
+    # travels back, so even a round trip over the network leaves the device no gap.
+    OVERLAP_DEPTH = 3
+
     def __init__(self, scheduler: Scheduler, transport: EngineTransport, overlap: bool = True,
                  max_queued_requests: int = 1024, name: str = "engine") -> None:
         self.scheduler = scheduler
         self.transport = transport
-        self.depth = 2 if overlap else 1
+        self.depth = self.OVERLAP_DEPTH if overlap else 1
         self.max_queued_requests = max_queued_requests
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._wake = threading.Event()

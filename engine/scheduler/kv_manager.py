@@ -65,7 +65,7 @@ class KVManager:
         """
         if self.cache is None:
             return None
-        n = req.num_computed - req.num_computed % self.page_size
+        n = self._cacheable(req)
         if n <= req.num_cached:
             return None
         tokens = req.fill_ids[:n]
@@ -83,11 +83,17 @@ class KVManager:
         req.num_cached = n
         return update
 
+    def _cacheable(self, req: Req) -> int:
+        """Page-aligned count of leading tokens with a KV slot and a known id (steps still in flight
+        may hold slots for tokens not sampled yet; those are never cached)."""
+        n = min(req.num_computed, req.num_known)
+        return n - n % self.page_size
+
     def release(self, req: Req) -> None:
         """Give back all of ``req``'s KV: its computed page-aligned prefix stays cached (evictable)."""
         own_start = req.num_cached
         if self.cache is not None:
-            n = req.num_computed - req.num_computed % self.page_size
+            n = self._cacheable(req)
             num_dup = self.cache.insert(req.fill_ids[:n], req.kv_locs[:n])
             if num_dup > req.num_cached:
                 self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
