@@ -22,6 +22,8 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay captured graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -34,6 +36,8 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
 

@@ -18,6 +18,7 @@ from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
 from modeserve.engine.runner import sampler
+from modeserve.engine.runner.cuda_graph_runner import CudaGraphRunner
 from modeserve.engine.runner.slot_state import SlotState
 from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from modeserve.kernels.attention.kv_cache import KVCache
@@ -47,6 +48,7 @@ class ModelRunner:
         self._init_model(ckpt, progress)
         self._init_memory()
         self._init_attention()
+        self._init_cuda_graphs(progress)
 
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress)
@@ -79,6 +81,17 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
         )
 
+    def _init_cuda_graphs(self, progress: Callable[[str], None] | None) -> None:
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
+            return
+        if not getattr(self.attn, "supports_cuda_graph", False):
+            logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly",
+                        self.attention_backend_name)
+            return
+        max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
+        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, progress)
+
     @property
     def num_pages(self) -> int:
         return self.num_kv_slots // self.cfg.page_size
@@ -101,18 +114,21 @@ class ModelRunner:
         extend_lens = torch.from_numpy(batch.extend_lens).to(dev)
         rows = req_pool.repeat_interleave(extend_lens)  # [T]
         input_ids = self.slots.record(rows, positions, out_cache_loc, input_ids)
-        self.attn.init_forward_metadata(
-            AttentionInputs(
-                forward_mode=batch.forward_mode,
-                req_pool_indices=req_pool,
-                prefix_lens_cpu=batch.prefix_lens.tolist(),
-                extend_lens_cpu=batch.extend_lens.tolist(),
-                seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
-                out_cache_loc=out_cache_loc,
-                req_to_token=self.slots.req_to_token,
-                dtype=self.dtype,
-            )
+        inputs = AttentionInputs(
+            forward_mode=batch.forward_mode,
+            req_pool_indices=req_pool,
+            prefix_lens_cpu=batch.prefix_lens.tolist(),
+            extend_lens_cpu=batch.extend_lens.tolist(),
+            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
+            out_cache_loc=out_cache_loc,
+            req_to_token=self.slots.req_to_token,
+            dtype=self.dtype,
         )
+        bucket = self.graphs.bucket_for(batch.forward_mode, batch.batch_size) if self.graphs else None
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.replay(inputs, input_ids, positions, bucket)  # decode: every row samples
+        self.attn.init_forward_metadata(inputs)
         hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
         last = np.cumsum(batch.extend_lens) - 1
         idx = torch.from_numpy(last[batch.sample_mask]).to(dev)

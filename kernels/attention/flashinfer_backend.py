@@ -45,6 +45,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._window_left = sliding_window - 1 if sliding_window else -1
         self._wrapper: object = None
+        self._graph_wrappers: dict[int, object] = {}  # batch-size bucket -> decode wrapper (fixed buffers)
 
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         kv = self.kv_cache
@@ -63,6 +64,44 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill.plan(qo_indptr.to(dev), indptr.to(dev), indices, last.to(dev), head_dim_qk=kv.head_dim,
                                causal=True, **common)
             self._wrapper = self._prefill
+
+    # ---- CUDA graphs (decode) -----------------------------------------------------------------
+    supports_cuda_graph = True
+
+    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+        """Make the decode wrapper for ``bs`` rows (fixed buffers) and plan a dummy batch: every
+        row one token on the reserved page 0."""
+        import flashinfer
+
+        kv, dev = self.kv_cache, self.kv_cache.k[0].device
+        max_pages = kv.num_slots // kv.page_size
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev))
+        self._graph_wrappers[bs] = wrapper
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        self._plan_decode(wrapper, indptr, torch.zeros(bs, dtype=torch.int32, device=dev),
+                          torch.ones(bs, dtype=torch.int32))
+        self._wrapper, self._out_cache_loc = wrapper, out_cache_loc
+
+    def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
+        """Plan the real rows, padded to ``bs`` with one-token rows on page 0."""
+        indptr, indices, last = page_table(inputs, self.kv_cache.page_size)
+        pad = bs - (len(indptr) - 1)
+        if pad:
+            indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
+            indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
+            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
+        self._plan_decode(self._graph_wrappers[bs], indptr, indices, last)
+        self._wrapper = self._graph_wrappers[bs]
+
+    def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        kv = self.kv_cache
+        wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads,  # type: ignore[attr-defined]
+                     num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,
+                     window_left=self._window_left, sm_scale=self.scale, q_data_type=kv.dtype, kv_data_type=kv.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         # q: [T, Hq, D], k/v: [T, Hkv, D]
