@@ -36,6 +36,23 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("--threads", type=int, default=1,
                      help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
     srv.set_defaults(func=run_serving)
+    lat = kinds.add_parser("latency", help="one batch on random weights of a named shape vs the roofline (GPU)")
+    lat.add_argument("--shape", default="llama-3.2-1b", help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b")
+    lat.add_argument("--model", default=None, help="a checkpoint instead of random weights")
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=512)
+    lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--device", default="cuda")
+    lat.add_argument("--dtype", default="bfloat16")
+    lat.add_argument("--disable-cuda-graph", action="store_true")
+    lat.set_defaults(func=run_latency)
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from modeserve.service.bench_latency import run
+
+    print(json.dumps(run(args)))
+    return 0
 
 
 def run_serving(args: argparse.Namespace) -> int:
