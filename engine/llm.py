@@ -9,14 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from modeserve.engine.config import EngineConfig
-from modeserve.engine.default_model import default_model_path
-from modeserve.engine.models.loader import open_checkpoint
+from modeserve.engine.builder import build_engine
 from modeserve.engine.request import Req
-from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ReqEvent, Scheduler
-from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
+from modeserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +39,17 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, progress: Callable[[str], None] | None = None,
                  **kwargs: Any) -> None:
-        path = Path(model) if model is not None else default_model_path()
-        self.config = EngineConfig.from_kwargs(model=str(path), **kwargs)
-        ckpt = open_checkpoint(path)
-        self.model_config = ckpt.config
-        self.tokenizer: Tokenizer | None = load_tokenizer(path)
-        self.runner = ModelRunner(self.config.runner, ckpt, progress)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
-        eos = tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids))
+        parts = build_engine(model, progress, **kwargs)
+        self.config, self.model_config = parts.config, parts.checkpoint.config
+        self.tokenizer: Tokenizer | None = parts.tokenizer
+        self.runner = parts.runner
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_pages=self.runner.num_pages,
             page_size=self.config.runner.page_size,
             max_context=self.runner.max_context,
-            vocab_size=ckpt.config.vocab_size,
-            eos_token_ids=eos,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=parts.eos_token_ids,
             decode=self._decode if self.tokenizer is not None else None,
         )
         self._ids = itertools.count()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from modeserve.service.engine_args import add_engine_args, engine_kwargs
@@ -32,11 +31,7 @@ def grpc_address(host: str, port: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modeserve.engine.config import EngineConfig
-    from modeserve.engine.default_model import default_model_path
-    from modeserve.engine.models.loader import open_checkpoint
-    from modeserve.engine.runner.model_runner import ModelRunner
-    from modeserve.engine.tokenizer import load_tokenizer
+    from modeserve.engine.builder import build_engine
     from modeserve.service.engine_server import create_engine_server
     from modeserve.service.grpc_common import serve_until_signal
 
@@ -45,18 +40,14 @@ def run(args: argparse.Namespace) -> int:
     if args.grace_period < 0:
         raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
     address = grpc_address(args.host, args.port)
-    # Built the way engine.LLM builds its runner: same path default, same config split.
-    path = Path(args.model) if args.model is not None else default_model_path()
-    config = EngineConfig.from_kwargs(model=str(path), **engine_kwargs(args))
-    ckpt = open_checkpoint(path)
-    tokenizer = load_tokenizer(path)
-    eos = (tokenizer.eos_token_ids if tokenizer is not None else ()) + ckpt.config.eos_token_ids
-    runner = ModelRunner(config.runner, ckpt)
-    srv = create_engine_server(runner, address, model_path=str(path), eos_token_ids=eos, dp_rank=args.dp_rank)
+    parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
+    runner = parts.runner
+    srv = create_engine_server(runner, address, model_path=str(parts.path), eos_token_ids=parts.eos_token_ids,
+                               dp_rank=args.dp_rank)
     host = address.rsplit(":", 1)[0]
     print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
-    logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, ckpt.config.name, runner.num_kv_slots,
-                runner.device)
+    logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,
+                runner.num_kv_slots, runner.device)
     code = serve_until_signal(srv, args.grace_period)
     sys.stdout.flush()
     return code
