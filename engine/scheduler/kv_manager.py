@@ -68,15 +68,13 @@ class KVManager:
         n = self._cacheable(req)
         if n <= req.num_cached:
             return None
-        tokens = req.fill_ids[:n]
-        num_dup = self.cache.insert(tokens, req.kv_locs[:n])
-        match = self.cache.match_prefix(tokens)
+        num_dup = self._insert(req, n)
+        match = self.cache.match_prefix(req.fill_ids[:n])
         self.cache.lock(match.node)
         self.cache.unlock(req.cache_node)
         req.cache_node = match.node
         update = None
-        if num_dup > req.num_cached:
-            self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
+        if num_dup > req.num_cached:  # repoint the freed duplicates to the cached copies
             req.kv_locs[req.num_cached : num_dup] = match.kv_locs[req.num_cached : num_dup]
             update = SlotUpdate(req.req_pool_idx, req.num_cached,
                                 np.asarray(match.kv_locs[req.num_cached : num_dup], dtype=np.int64))
@@ -89,14 +87,21 @@ class KVManager:
         n = min(req.num_computed, req.num_known)
         return n - n % self.page_size
 
+    def _insert(self, req: Req, n: int) -> int:
+        """Cache ``req``'s first ``n`` tokens; free its own pages that duplicate what another request
+        cached first (the tree keeps its copy). Returns how many leading tokens were cached already."""
+        assert self.cache is not None
+        num_dup = self.cache.insert(req.fill_ids[:n], req.kv_locs[:n])
+        if num_dup > req.num_cached:
+            self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
+        return num_dup
+
     def release(self, req: Req) -> None:
         """Give back all of ``req``'s KV: its computed page-aligned prefix stays cached (evictable)."""
         own_start = req.num_cached
         if self.cache is not None:
             n = self._cacheable(req)
-            num_dup = self.cache.insert(req.fill_ids[:n], req.kv_locs[:n])
-            if num_dup > req.num_cached:
-                self.pool.free(self.pool.pages_of(req.kv_locs[req.num_cached : num_dup]))
+            self._insert(req, n)
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
             own_start = max(n, req.num_cached)
