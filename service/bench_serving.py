@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for overlap in (False, True):
         loops["inprocess", overlap] = _local_loop(model, overlap, engine_args)
         loops["grpc", overlap] = connect_engine(address, SchedulerConfig(max_running_requests=max(batch_sizes)),
-                                                overlap, 1024, 60)[0]
+                                                overlap, 1024, 60)
     for loop in loops.values():
         loop.start()
     samples: dict[tuple[str, bool, int], list[float]] = {}

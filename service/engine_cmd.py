@@ -24,16 +24,10 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def grpc_address(host: str, port: int) -> str:
-    if not 0 <= port < 65536:
-        raise ValueError(f"--port must be in [0, 65536), got {port}")
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def run(args: argparse.Namespace) -> int:
     from modeserve.engine.builder import build_engine
     from modeserve.service.engine_server import create_engine_server
-    from modeserve.service.grpc_common import serve_until_signal
+    from modeserve.service.grpc_common import grpc_address, serve_until_signal
 
     if args.dp_rank < 0:
         raise ValueError(f"--dp-rank must be >= 0, got {args.dp_rank}")

@@ -13,7 +13,6 @@ import collections
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 from modeserve.engine.request import Req
@@ -60,7 +59,6 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
-        self.step_seconds: list[float] = []
 
     # ---- any thread -----------------------------------------------------------------------
     def start(self) -> None:
@@ -122,7 +120,7 @@ class EngineLoop:
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
     def _run(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float]] = collections.deque()
+        in_flight: collections.deque[ScheduledStep] = collections.deque()
         try:
             while not self._stopped:
                 self._drain_inbox()
@@ -130,19 +128,16 @@ class EngineLoop:
                     step = self.scheduler.schedule()
                     if step is not None:
                         self.transport.submit(step.batch)
-                        in_flight.append((step, time.perf_counter()))
+                        in_flight.append(step)
                         continue
                 if not in_flight:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
-                step, started = in_flight.popleft()
-                result = self.transport.receive()
-                self.step_seconds.append(time.perf_counter() - started)
-                for ev in self.scheduler.process_result(step, result):
+                step = in_flight.popleft()
+                for ev in self.scheduler.process_result(step, self.transport.receive()):
                     lp = (ev.req.output_logprobs[-1],) if ev.req.output_logprobs else ()
-                    self._deliver(ev.req, ev.new_token_ids if not ev.req.finish_reason == "abort" else (),
-                                  ev.req.finish_reason if ev.finished else None, lp)
+                    self._deliver(ev.req, ev.new_token_ids, ev.req.finish_reason if ev.finished else None, lp)
         except Exception as exc:  # the engine is gone: fail every request rather than hang
             logger.exception("engine loop failed: %s", exc)
             with self._lock:

@@ -19,6 +19,12 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 2**20
 
 
+def grpc_address(host: str, port: int) -> str:
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {port}")
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 @dataclass
 class GrpcServer:
     server: grpc.Server

@@ -29,6 +29,17 @@ class RouterApp:
             loop.stop()
 
 
+def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
+    """Announce the bound port (tests and scripts read this line), serve until SIGTERM, drain."""
+    from modeserve.service.grpc_common import serve_until_signal
+
+    print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
+    code = serve_until_signal(app.server, grace)
+    for loop in app.loops:
+        loop.stop()
+    return code
+
+
 def start_router(address: str, loops: Sequence[EngineLoop], tokenizer: Tokenizer | None, limits: RequestLimits,
                  model_name: str, eos_token_ids: Sequence[int]) -> RouterApp:
     servicer = GenerateServicer(tokenizer, loops, limits, model_name, eos_token_ids)

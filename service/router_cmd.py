@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,46 +53,52 @@ def wait_serving(channel: grpc.Channel, service: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
-                   wait: float) -> tuple[EngineLoop, engine_pb2.EngineDescription]:
+def describe_engine(address: str, wait: float) -> tuple[grpc.Channel, engine_pb2.EngineDescription]:
+    """Open a channel, wait until the engine is SERVING, and ask what it holds."""
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     wait_serving(channel, "modeserve.v1.Engine", wait)
-    desc = engine_pb2_grpc.EngineStub(channel).Describe(engine_pb2.DescribeRequest(), timeout=10)
+    return channel, engine_pb2_grpc.EngineStub(channel).Describe(engine_pb2.DescribeRequest(), timeout=10)
+
+
+def engine_loop(address: str, channel: grpc.Channel, desc: engine_pb2.EngineDescription,
+                sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
+                decode: Callable[[list[int]], str] | None = None) -> EngineLoop:
+    """A scheduler sized by the engine's description, driving it over one Forward stream."""
     cfg = dataclasses.replace(sched_cfg, max_running_requests=min(sched_cfg.max_running_requests,
                                                                   desc.max_running_requests))
     scheduler = Scheduler(cfg, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
                           max_context=desc.max_context_len, vocab_size=desc.vocab_size,
-                          eos_token_ids=tuple(desc.eos_token_ids))
+                          eos_token_ids=tuple(desc.eos_token_ids), decode=decode)
     return EngineLoop(scheduler, GrpcTransport(channel), overlap=overlap, max_queued_requests=max_queued,
-                      name=address), desc
+                      name=address)
+
+
+def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
+                   wait: float) -> EngineLoop:
+    channel, desc = describe_engine(address, wait)
+    return engine_loop(address, channel, desc, sched_cfg, overlap, max_queued)
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, sched_cfg: SchedulerConfig,
                         overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0) -> RouterApp:
-    connected = [connect_engine(e, sched_cfg, overlap, max_queued_requests, wait) for e in engines]
-    loops = [c[0] for c in connected]
-    desc = connected[0][1]
-    tokenizer: Tokenizer | None = load_tokenizer(model or desc.model_path) if (model or Path(desc.model_path).exists()) else None
-    for loop in loops:
-        if tokenizer is not None:
-            loop.scheduler.stop.decode = tokenizer.decode
+    described = [describe_engine(e, wait) for e in engines]
+    desc = described[0][1]
+    source = model or (desc.model_path if Path(desc.model_path).exists() else None)
+    tokenizer: Tokenizer | None = load_tokenizer(source) if source else None
+    decode = tokenizer.decode if tokenizer is not None else None
+    loops = [engine_loop(e, ch, d, sched_cfg, overlap, max_queued_requests, decode)
+             for e, (ch, d) in zip(engines, described)]
     limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     return start_router(address, loops, tokenizer, limits, desc.model, list(desc.eos_token_ids))
 
 
 def run(args: argparse.Namespace) -> int:
-    from modeserve.service.grpc_common import serve_until_signal
+    from modeserve.service.grpc_common import grpc_address
+    from modeserve.service.router_app import serve_app
 
-    sched_kwargs = engine_kwargs(args, (SchedulerConfig,))
-    app = start_remote_router(f"{args.host}:{args.port}", [e for e in args.engines.split(",") if e], args.model,
-                              SchedulerConfig(**sched_kwargs), args.overlap, args.max_queued_requests,
-                              args.engine_wait)
-    print(f"modeserve router listening on {args.host}:{app.port}", flush=True)
-    code = serve_until_signal(app.server, args.grace_period)
-    for loop in app.loops:
-        loop.stop()
-    return code
-
-
+    app = start_remote_router(grpc_address(args.host, args.port), [e for e in args.engines.split(",") if e],
+                              args.model, SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), args.overlap,
+                              args.max_queued_requests, args.engine_wait)
+    return serve_app(app, "router", args.host, args.grace_period)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from modeserve.service.engine_args import add_engine_args, engine_kwargs
@@ -23,14 +22,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modeserve.service.grpc_common import serve_until_signal
-    from modeserve.service.router_app import start_serve
+    from modeserve.service.grpc_common import grpc_address
+    from modeserve.service.router_app import serve_app, start_serve
 
-    app = start_serve(f"{args.host}:{args.port}", args.model, overlap=args.overlap,
+    app = start_serve(grpc_address(args.host, args.port), args.model, overlap=args.overlap,
                       max_queued_requests=args.max_queued_requests, **engine_kwargs(args))
-    print(f"modeserve serve listening on {args.host}:{app.port}", flush=True)
-    code = serve_until_signal(app.server, args.grace_period)
-    for loop in app.loops:
-        loop.stop()
-    sys.stdout.flush()
-    return code
+    return serve_app(app, "serve", args.host, args.grace_period)
