@@ -42,7 +42,7 @@ class CudaGraphRunner:
     def _capture_all(self, progress: Callable[[str], None] | None) -> None:
         pool = None
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
-            self.attn.init_capture(bs, self.out_cache_loc[:bs])  # type: ignore[attr-defined]
+            self.attn.init_capture(bs, self.out_cache_loc[:bs])
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(bs)
             torch.cuda.synchronize()
@@ -78,7 +78,7 @@ class CudaGraphRunner:
             self.input_ids[bs:bucket].zero_()
             self.positions[bs:bucket].zero_()
             self.out_cache_loc[bs:bucket].zero_()
-        self.attn.init_replay(inputs, bucket)  # type: ignore[attr-defined]
+        self.attn.init_replay(inputs, bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
         self.hits[inputs.forward_mode.name] += 1

@@ -85,7 +85,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return
-        if not getattr(self.attn, "supports_cuda_graph", False):
+        if not self.attn.supports_cuda_graph:
             logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly",
                         self.attention_backend_name)
             return

@@ -55,6 +55,17 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
 
+    # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both:
+    # ``init_capture`` before capturing ``bs`` rows (this step's KV writes go to ``out_cache_loc``, a
+    # static buffer), ``init_replay`` before each replay (plans the real rows, padded to ``bs``).
+    supports_cuda_graph = False
+
+    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
 
 BackendFactory = Callable[..., AttentionBackend]
 
