@@ -1,0 +1,1 @@
+"""The project's own Triton kernels (GPU; Triton's CPU interpreter runs them in tests)."""
