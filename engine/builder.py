@@ -27,7 +27,7 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
     """``model`` None means the embedded default model. ``ValueError`` on bad paths or arguments."""
     path = Path(model) if model is not None else default_model_path()
     config = EngineConfig.from_kwargs(model=str(path), **kwargs)
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, config.runner.load_format)
     tokenizer = load_tokenizer(path)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
     runner = ModelRunner(config.runner, ckpt, progress)

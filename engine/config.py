@@ -22,12 +22,15 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights of its config.json
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay captured graphs
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:

@@ -26,11 +26,13 @@ class ReqAdmission:
 
 @dataclass(frozen=True)
 class SlotUpdate:
-    """Set ``req_to_token[req_pool_idx, start:start+len(kv_locs)] = kv_locs`` (prefix-cache hits)."""
+    """Set ``req_to_token[req_pool_idx, start:start+len(kv_locs)] = kv_locs`` (prefix-cache hits),
+    and the token history of those positions when ``token_ids`` is given (penalties read it)."""
 
     req_pool_idx: int
     start: int
     kv_locs: np.ndarray  # [n] int64
+    token_ids: np.ndarray | None = None  # [n] int64
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -10,9 +11,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from modeserve.engine.builder import build_engine
+from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.engine.scheduler.scheduler import ReqEvent, Scheduler
+from modeserve.engine.runner.host_io import PendingResult
+from modeserve.engine.scheduler.scheduler import ReqEvent, ScheduledStep, Scheduler
 from modeserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,11 +37,13 @@ class LLM:
     """An in-process engine: scheduler + model runner on one device.
 
     ``LLM(model=None)`` loads the embedded default model (SmolLM2-135M-Instruct, GGUF).
-    Keyword arguments are the fields of ``RunnerConfig`` and ``SchedulerConfig``.
+    Keyword arguments are the fields of ``RunnerConfig`` and ``SchedulerConfig``. With ``overlap``
+    ``generate`` schedules and launches step N+1 before it reads step N's tokens.
     """
 
     def __init__(self, model: str | Path | None = None, progress: Callable[[str], None] | None = None,
-                 **kwargs: Any) -> None:
+                 overlap: bool = True, **kwargs: Any) -> None:
+        self.overlap = overlap
         parts = build_engine(model, progress, **kwargs)
         self.config, self.model_config = parts.config, parts.checkpoint.config
         self.tokenizer: Tokenizer | None = parts.tokenizer
@@ -109,10 +114,30 @@ class LLM:
         reqs = [self.make_request(ids, sp) for ids, sp in zip(token_lists, params)]  # validate all first
         for req in reqs:
             self.add_request(req)
-        while not all(r.finished for r in reqs):
-            if not self.step() and not self.scheduler.has_work:
-                raise RuntimeError("scheduler stalled with unfinished requests")
+        self.run_until(lambda: all(r.finished for r in reqs))
         return [self.output_of(r) for r in reqs]
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Step until ``done()``; with overlap one step stays in flight while the next is prepared."""
+        depth = 2 if self.overlap else 1
+        in_flight: collections.deque[tuple[ScheduledStep, PendingResult[ForwardResult]]] = collections.deque()
+        last = time.perf_counter()
+        while not done() or in_flight:
+            if len(in_flight) < depth and not done():
+                scheduled = self.scheduler.schedule()
+                if scheduled is not None:
+                    in_flight.append((scheduled, self.runner.launch(scheduled.batch)))
+                    continue
+            if not in_flight:
+                if not self.scheduler.has_work:
+                    raise RuntimeError("scheduler stalled with unfinished requests")
+                continue
+            scheduled, pending = in_flight.popleft()
+            result = pending.result()
+            now = time.perf_counter()
+            self.scheduler.stats.add_time(scheduled.batch.forward_mode, now - last)
+            last = now
+            self.scheduler.process_result(scheduled, result)
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()

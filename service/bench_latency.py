@@ -1,11 +1,14 @@
 """Single-batch latency on random weights of a named shape: prefill time and decode step time,
 each against its physical limit measured in the same run (bf16 matmul rate for prefill FLOPs,
-device-copy bandwidth for the bytes of weights + KV one decode step reads)."""
+device-copy bandwidth for the bytes of weights + KV one decode step reads), and optionally the
+same batch through ``transformers``.
+
+The decode step is measured the way the engine serves: steps launched back to back with one in
+flight (``LLM.run_until``), so the figure includes every host cost the device cannot hide."""
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -14,87 +17,82 @@ from typing import Any
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
+from modeserve.service.bench_limits import device_name, measure_roofline, sync
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
-    """Bytes/s of a device-to-device copy (read + write both counted)."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start, n = time.perf_counter(), 10
-    for _ in range(n):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * nbytes * n / (time.perf_counter() - start)
+def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
+    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape``."""
+    from modeserve.engine.models.random_checkpoint import write_config_only
+
+    if args.model:
+        return Path(args.model), "auto"
+    return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
 
 
-def matmul_rate(device: torch.device, n: int = 8192) -> float:
-    """FLOP/s of a large bf16 matmul."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    start, reps = time.perf_counter(), 20
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=g)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from modeserve.engine.llm import LLM
-    from modeserve.engine.models.random_checkpoint import write_random_checkpoint
 
-    tmp = tempfile.TemporaryDirectory()
-    model = args.model or str(write_random_checkpoint(Path(tmp.name) / "m", args.shape, dtype=torch.bfloat16))
-    llm = LLM(model=model, device=args.device, dtype=args.dtype, page_size=16,
-              max_running_requests=max(args.batch_size, 1), chunked_prefill_size=args.batch_size * args.input_len,
-              disable_cuda_graph=args.disable_cuda_graph,
-              kv_cache_tokens=args.batch_size * (args.input_len + args.output_len) + 64)
     device = torch.device(args.device)
-    mc = llm.model_config
-    sp = SamplingParams(temperature=0.0, max_new_tokens=args.output_len, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, mc.vocab_size, (args.input_len,), generator=g).tolist() for _ in range(args.batch_size)]
-    llm.generate(prompt_token_ids=prompts, sampling_params=sp.replace(max_new_tokens=4))  # warm-up
-    reqs = [llm.make_request(p, sp) for p in prompts]
+    tmp = tempfile.TemporaryDirectory()
+    folder, load_format = model_folder(args, tmp.name)
+    bs, n_in, n_out = args.batch_size, args.input_len, args.output_len
+    llm = LLM(model=folder, load_format=load_format, device=args.device, dtype=args.dtype, page_size=16,
+              max_running_requests=bs, chunked_prefill_size=min(bs * n_in, args.max_prefill_tokens),
+              disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
+              kv_cache_tokens=bs * (n_in + n_out) + 16 * bs + 64, max_context_len=n_in + n_out + 16)
+    mc, runner = llm.model_config, llm.runner
+    prompts = random_prompts(mc.vocab_size, bs, n_in)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n_out, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:, :16].tolist(), sampling_params=sp.replace(max_new_tokens=8))  # warm-up
+    reqs = [llm.make_request(p, sp) for p in prompts.tolist()]
     for r in reqs:
         llm.add_request(r)
-    times: dict[str, list[float]] = {"EXTEND": [], "DECODE": []}
-    while not all(r.finished for r in reqs):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step = llm.scheduler.schedule()
-        assert step is not None
-        result = llm.runner.forward(step.batch)
-        torch.cuda.synchronize(device)
-        times.setdefault(step.batch.forward_mode.name, []).append(time.perf_counter() - start)
-        llm.scheduler.process_result(step, result)
-    params = sum(p.numel() for p in llm.runner.model.parameters())
-    weight_bytes = params * llm.runner.dtype.itemsize
-    kv_bytes_per_token = llm.runner.kv_cache.bytes_per_token
-    mean_ctx = args.input_len + args.output_len / 2
-    decode_bytes = weight_bytes + args.batch_size * mean_ctx * kv_bytes_per_token
-    bw, flops = copy_bandwidth(device), matmul_rate(device)
-    decode_s = statistics.median(times["DECODE"])
-    prefill_s = sum(times["EXTEND"])
-    prefill_flops = 2 * (params - mc.vocab_size * mc.hidden_size) * args.batch_size * args.input_len
-    tmp.cleanup()
-    return {
-        "bench": "latency", "shape": args.model or args.shape, "device": torch.cuda.get_device_name(device),
-        "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
-        "output_len": args.output_len, "cuda_graph": llm.runner.graphs is not None,
-        "attention_backend": llm.runner.attention_backend_name,
+    sync(device)
+    start = time.perf_counter()
+    while not all(r.output_ids for r in reqs):  # prefill (chunked if longer than max_prefill_tokens)
+        llm.step()
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.run_until(lambda: all(r.finished for r in reqs))
+    sync(device)
+    decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
+
+    num_params = sum(p.numel() for p in runner.model.parameters())
+    roof = measure_roofline(mc, num_params, runner.dtype.itemsize, runner.kv_cache.bytes_per_token, device)
+    mean_ctx = n_in + n_out / 2
+    decode_limit = roof.decode_step_seconds([int(mean_ctx)] * bs)
+    prefill_flops = roof.prefill_flops([n_in] * bs)
+    out: dict[str, Any] = {
+        "bench": "latency", "shape": args.model or args.shape, "device": device_name(device),
+        "dtype": str(runner.dtype).removeprefix("torch."), "batch_size": bs, "input_len": n_in, "output_len": n_out,
+        "attention_backend": runner.attention_backend_name, "cuda_graph": runner.graphs is not None,
         "decode_step_ms": round(decode_s * 1e3, 4),
-        "decode_tokens_per_s": round(args.batch_size / decode_s, 1),
-        "decode_roofline_ms": round(decode_bytes / bw * 1e3, 4),
-        "decode_roofline_ratio": round(decode_bytes / bw / decode_s, 3),
+        "decode_tokens_per_s": round(bs / decode_s, 1),
+        "decode_roofline_ms": round(decode_limit * 1e3, 4),
+        "decode_roofline_ratio": round(decode_limit / decode_s, 3),
+        "decode_step_bytes": int(roof.decode_step_bytes([int(mean_ctx)] * bs)),
         "prefill_ms": round(prefill_s * 1e3, 3),
         "prefill_tflops": round(prefill_flops / prefill_s / 1e12, 1),
-        "prefill_matmul_ratio": round(prefill_flops / prefill_s / flops, 3),
-        "measured_copy_bandwidth_tb_s": round(bw / 1e12, 3), "measured_bf16_tflops": round(flops / 1e12, 1),
-        "weight_bytes": weight_bytes, "graph_stats": llm.runner.graphs.stats() if llm.runner.graphs else None,
+        "prefill_matmul_ratio": round(prefill_flops / prefill_s / roof.flops, 3),
+        "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
+        "measured_bf16_tflops": round(roof.flops / 1e12, 1),
+        "graph_stats": runner.graphs.stats() if runner.graphs else None,
     }
+    if args.baseline == "transformers":
+        from modeserve.service.bench_baseline import transformers_latency
+
+        dtype = runner.dtype
+        del llm, runner
+        torch.cuda.empty_cache()
+        base = transformers_latency(folder, prompts.to(device), args.baseline_output_len, dtype)
+        out["transformers"] = base
+        out["decode_speedup_vs_transformers"] = round(base["decode_step_ms"] / out["decode_step_ms"], 2)
+        out["prefill_speedup_vs_transformers"] = round(base["prefill_ms"] / out["prefill_ms"], 2)
+    tmp.cleanup()
+    return out

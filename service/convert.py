@@ -106,7 +106,8 @@ def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
             for a in b.admissions
         ],
         slot_updates=[
-            forward_pb2.SlotUpdate(req_pool_idx=u.req_pool_idx, start=u.start, kv_locs=_pack(u.kv_locs, _I64))
+            forward_pb2.SlotUpdate(req_pool_idx=u.req_pool_idx, start=u.start, kv_locs=_pack(u.kv_locs, _I64),
+                                   token_ids=b"" if u.token_ids is None else _pack(u.token_ids, _I64))
             for u in b.slot_updates
         ],
     )
@@ -191,7 +192,13 @@ def _slot_updates_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -
             raise ValueError(f"{field}: start {u.start} + {locs.shape[0]} kv_locs does not fit in "
                              f"max_context {limits.max_context}")
         _check_range(locs, 0, limits.num_kv_slots, f"{field}.kv_locs")
-        out.append(SlotUpdate(u.req_pool_idx, u.start, locs))
+        ids = None
+        if u.token_ids:
+            ids = _unpack(u.token_ids, _I64, f"{field}.token_ids")
+            if ids.shape != locs.shape:
+                raise ValueError(f"{field}: {ids.shape[0]} token_ids for {locs.shape[0]} kv_locs")
+            _check_range(ids, 0, limits.vocab_size, f"{field}.token_ids")
+        out.append(SlotUpdate(u.req_pool_idx, u.start, locs, ids))
     return tuple(out)
 
 

@@ -7,9 +7,11 @@ with the same message objects) and gRPC (one ``Engine.Forward`` stream).
 from __future__ import annotations
 
 import abc
+import collections
+import functools
 import queue
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
@@ -36,6 +38,10 @@ class EngineTransport(abc.ABC):
 _CLOSE = object()
 
 
+def _reraise(exc: BaseException) -> ForwardResult:
+    raise exc
+
+
 class InProcessTransport(EngineTransport):
     """Runs batches on a local ``ModelRunner`` in a worker thread (so scheduling overlaps compute)."""
 
@@ -47,11 +53,34 @@ class InProcessTransport(EngineTransport):
         self._thread.start()
 
     def _work(self) -> None:
-        while (batch := self._inbox.get()) is not _CLOSE:
-            try:
-                self._results.put(self._runner.forward(batch))  # type: ignore[attr-defined]
-            except BaseException as exc:  # delivered to the scheduler thread
-                self._results.put(exc)
+        """Launch each batch as it arrives and keep one launched while the next is prepared: the
+        device runs step N while the host uploads and plans step N+1."""
+        pending: collections.deque[Callable[[], ForwardResult]] = collections.deque()
+        closing = False
+        while not closing or pending:
+            item: object = None
+            if not closing:
+                try:
+                    item = self._inbox.get(block=not pending, timeout=None)
+                except queue.Empty:
+                    item = None
+            if item is _CLOSE:
+                closing = True
+            elif item is not None:
+                pending.append(self._launch(item))  # type: ignore[arg-type]
+                if len(pending) < 2:
+                    continue
+            if pending:
+                try:
+                    self._results.put(pending.popleft()())
+                except BaseException as exc:  # delivered to the scheduler thread
+                    self._results.put(exc)
+
+    def _launch(self, batch: ForwardBatch) -> Callable[[], ForwardResult]:
+        try:
+            return self._runner.launch(batch).result  # type: ignore[attr-defined, no-any-return]
+        except BaseException as exc:
+            return functools.partial(_reraise, exc)
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)

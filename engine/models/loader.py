@@ -21,6 +21,7 @@ class Checkpoint(NamedTuple):
     config: ModelConfig
     is_gguf: bool
     num_tensors: int
+    dummy: bool = False  # random weights made on the device (benchmarks): config.json only
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,7 +38,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
+    """``load_format`` ``dummy``: only the folder's config.json is read; weights are random."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"model path {str(p)!r} does not exist")
@@ -51,6 +53,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
         raise ValueError(f"model folder {str(p)!r} has no config.json")
+    if load_format == "dummy":
+        return Checkpoint(p, parse_model_config(json.loads(cfg_file.read_text()), name=p.name), False, 0, True)
     files = _safetensors_files(p)
     if not files:
         raise ValueError(f"model folder {str(p)!r} has no .safetensors weights")
@@ -68,6 +72,16 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, to
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).to(dtype)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights on the model's own device: N(0, std) matrices and biases, norms 1."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std)
 
 
 def load_model(
@@ -90,6 +104,9 @@ def load_model(
                 progress(name)
             yield name, tensor
 
-    model.load_weights(tracked())
+    if ckpt.dummy:
+        init_dummy_weights(model)
+    else:
+        model.load_weights(tracked())
     model.init_buffers(max_positions)
     return model.eval()

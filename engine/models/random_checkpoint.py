@@ -69,15 +69,26 @@ def random_state_dict(config: dict[str, Any], seed: int = 0, dtype: torch.dtype 
     return sd
 
 
+def preset_config(shape: str | dict[str, Any]) -> dict[str, Any]:
+    """The config dict of a preset name, or ``shape`` itself when it is already a config."""
+    if isinstance(shape, dict):
+        return shape
+    if shape not in PRESETS:
+        raise ValueError(f"unknown model shape {shape!r}; presets: {sorted(PRESETS)}")
+    return PRESETS[shape]
+
+
+def write_config_only(folder: str | Path, shape: str | dict[str, Any]) -> Path:
+    """A folder with just ``config.json``: load it with ``load_format="dummy"``."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(preset_config(shape), indent=1))
+    return out
+
+
 def write_random_checkpoint(folder: str | Path, shape: str | dict[str, Any], seed: int = 0,
                             dtype: torch.dtype = torch.float32) -> Path:
     """``shape``: a preset name (``tiny``, ``llama-3.2-1b``, ``llama-3.1-8b``, ``qwen3-0.6b``) or a config dict."""
-    if isinstance(shape, str):
-        if shape not in PRESETS:
-            raise ValueError(f"unknown model shape {shape!r}; presets: {sorted(PRESETS)}")
-        shape = PRESETS[shape]
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(shape, indent=1))
-    save_file(random_state_dict(shape, seed, dtype), str(out / "model.safetensors"))
+    out = write_config_only(folder, shape)
+    save_file(random_state_dict(preset_config(shape), seed, dtype), str(out / "model.safetensors"))
     return out

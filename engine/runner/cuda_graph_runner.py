@@ -21,8 +21,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
 
 
 class CudaGraphRunner:
-    """Invariant: captured graphs read their inputs only from the static buffers below; call
-    ``replay`` with the step's real rows, it pads, plans attention for the bucket, replays, slices."""
+    """Invariant: captured graphs read their inputs only from the static buffers below; ``prepare``
+    copies the step's real rows there (padding the bucket) and plans attention, ``replay`` runs."""
 
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, device: torch.device,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -68,8 +68,9 @@ class CudaGraphRunner:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
-    def replay(self, inputs: AttentionInputs, input_ids: torch.Tensor, positions: torch.Tensor,
-               bucket: int) -> torch.Tensor:
+    def prepare(self, inputs: AttentionInputs, input_ids: torch.Tensor, positions: torch.Tensor,
+                bucket: int) -> None:
+        """Copy the step's rows into the static buffers (padding the rest) and plan attention."""
         bs = input_ids.shape[0]
         self.input_ids[:bs].copy_(input_ids)
         self.positions[:bs].copy_(positions)
@@ -79,10 +80,13 @@ class CudaGraphRunner:
             self.positions[bs:bucket].zero_()
             self.out_cache_loc[bs:bucket].zero_()
         self.attn.init_replay(inputs, bucket)
-        graph, out = self.graphs[bucket]
-        graph.replay()
         self.hits[inputs.forward_mode.name] += 1
         self.padded_rows[inputs.forward_mode.name] += bucket - bs
+
+    def replay(self, bucket: int, bs: int) -> torch.Tensor:
+        """Replay the prepared bucket; logits [bs, V] of the real rows."""
+        graph, out = self.graphs[bucket]
+        graph.replay()
         return out[:bs]
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -19,6 +19,7 @@ from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
 from modeserve.engine.runner import sampler
 from modeserve.engine.runner.cuda_graph_runner import CudaGraphRunner
+from modeserve.engine.runner.host_io import PendingResult, upload
 from modeserve.engine.runner.slot_state import SlotState
 from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from modeserve.kernels.attention.kv_cache import KVCache
@@ -45,6 +46,7 @@ class ModelRunner:
         self.dtype = torch_dtype(cfg.torch_dtype_name)
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
                                ckpt.config.max_position_embeddings)
+        self._inputs_consumed: torch.cuda.Event | None = None
         self._init_model(ckpt, progress)
         self._init_memory()
         self._init_attention()
@@ -60,7 +62,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             mc.num_layers, self.num_kv_slots, mc.num_kv_heads, mc.head_dim, self.cfg.page_size, self.dtype, self.device
         )
-        self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device)
+        self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device, self.cfg.page_size)
         logger.info(
             "KV cache: %d slots (%d pages of %d), %.1f MiB",
             self.num_kv_slots, self.num_kv_slots // self.cfg.page_size, self.cfg.page_size,
@@ -100,63 +102,86 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``; logits [S, V] (float32) of the rows that sample."""
         batch.forward_mode.require_supported()
+        if self._inputs_consumed is not None:
+            # the previous step's host buffers (attention plans reuse theirs) must have reached the
+            # device before they are written again; only waits if the device is more than a step behind
+            self._inputs_consumed.synchronize()
+            self._inputs_consumed = None
         for adm in batch.admissions:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
             self.slots.update(upd)
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
-        dev = self.device
-        input_ids = torch.from_numpy(batch.input_ids).to(dev)
-        positions = torch.from_numpy(batch.positions).to(dev)
-        out_cache_loc = torch.from_numpy(batch.out_cache_loc).to(dev)
-        req_pool = torch.from_numpy(batch.req_pool_indices).to(dev)
-        extend_lens = torch.from_numpy(batch.extend_lens).to(dev)
-        rows = req_pool.repeat_interleave(extend_lens)  # [T]
+        rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
+        sample_idx_np = (np.cumsum(batch.extend_lens) - 1)[batch.sample_mask]  # [S]
+        self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
+        input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
+            [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
+             rows_np, sample_idx_np], self.device)
         input_ids = self.slots.record(rows, positions, out_cache_loc, input_ids)
         inputs = AttentionInputs(
             forward_mode=batch.forward_mode,
             req_pool_indices=req_pool,
             prefix_lens_cpu=batch.prefix_lens.tolist(),
             extend_lens_cpu=batch.extend_lens.tolist(),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
+            seq_lens=seq_lens,
             out_cache_loc=out_cache_loc,
             req_to_token=self.slots.req_to_token,
             dtype=self.dtype,
+            req_pool_indices_cpu=batch.req_pool_indices,
+            req_to_page_cpu=self.slots.req_to_page,
         )
         bucket = self.graphs.bucket_for(batch.forward_mode, batch.batch_size) if self.graphs else None
         if bucket is not None:
             assert self.graphs is not None
-            return self.graphs.replay(inputs, input_ids, positions, bucket)  # decode: every row samples
+            self.graphs.prepare(inputs, input_ids, positions, bucket)
+            self._mark_inputs_consumed()
+            return self.graphs.replay(bucket, batch.batch_size)  # decode: every row samples
         self.attn.init_forward_metadata(inputs)
+        self._mark_inputs_consumed()
         hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
-        last = np.cumsum(batch.extend_lens) - 1
-        idx = torch.from_numpy(last[batch.sample_mask]).to(dev)
-        return self.model.compute_logits(hidden[idx])
+        return self.model.compute_logits(hidden[sample_idx])
+
+    def _mark_inputs_consumed(self) -> None:
+        if self.device.type == "cuda":
+            self._inputs_consumed = torch.cuda.Event()
+            self._inputs_consumed.record()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardResult:
+    def launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
+        """Queue ``batch`` on the device; the result arrives through ``PendingResult.result()``.
+
+        Nothing here waits for the device, so the next batch can be prepared (and launched) while
+        this one runs; its placeholders resolve from ``last_token``, written in stream order.
+        """
         logits = self.compute_logits(batch)  # [S, V]
         if logits.shape[0] == 0:
-            return ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64))
+            return PendingResult([], lambda _: ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64)))
         slots = batch.req_pool_indices[batch.sample_mask]
         seq_lens = batch.seq_lens[batch.sample_mask]
+        (slots_dev,) = upload([slots], self.device)
+        if self.slots.is_plain_greedy(slots):
+            next_ids = torch.argmax(logits, dim=-1)
+            self.slots.last_token[slots_dev] = next_ids
+            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
         raw = logits
         if st.any_penalties:
-            dev = self.device
-            seq_t = torch.from_numpy(seq_lens).to(dev)
-            history = self.slots.token_ids[torch.from_numpy(slots).to(dev), : int(seq_lens.max())]
-            prompt_lens = torch.from_numpy(self.slots.prompt_len[slots]).to(dev)
+            seq_t = st.positions
+            history = self.slots.token_ids[slots_dev, : int(seq_lens.max())]
+            (prompt_lens,) = upload([self.slots.prompt_len[slots]], self.device)
             logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
         next_ids = sampler.sample(logits, st)
-        self.slots.last_token[torch.from_numpy(slots).to(self.device)] = next_ids
+        self.slots.last_token[slots_dev] = next_ids
         if not want_logprobs:
-            return ForwardResult(next_token_ids=next_ids.cpu().numpy())
+            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
         lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)
-        return ForwardResult(
-            next_token_ids=next_ids.cpu().numpy(),
-            logprobs=lp.chosen.cpu().numpy(),
-            top_logprob_ids=lp.top_ids.cpu().numpy(),
-            top_logprob_values=lp.top_values.cpu().numpy(),
+        return PendingResult(
+            [next_ids, lp.chosen, lp.top_ids, lp.top_values],
+            lambda h: ForwardResult(next_token_ids=h[0], logprobs=h[1], top_logprob_ids=h[2],
+                                    top_logprob_values=h[3]),
         )
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        return self.launch(batch).result()

@@ -10,14 +10,19 @@ import numpy as np
 import torch
 
 from modeserve.engine.forward_batch import ReqAdmission, SlotUpdate
+from modeserve.engine.runner.host_io import upload
 from modeserve.engine.runner.sampler import SamplingTensors
 
 
 class SlotState:
-    def __init__(self, max_reqs: int, max_context: int, device: torch.device) -> None:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device, page_size: int = 1) -> None:
         self.device = device
+        self.page_size = page_size
         # [max_reqs, max_context]: KV slot and token id at each position of each request
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        # host mirror by page, [max_reqs, ceil(max_context / page_size)]: attention planning reads it
+        # without touching the device (a request's positions [k*ps, (k+1)*ps) share one page)
+        self.req_to_page = np.zeros((max_reqs, -(-max_context // page_size)), dtype=np.int32)
         self.token_ids = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
         # [max_reqs]: the token each slot sampled last; resolves input id -1 (overlap placeholders)
         self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=device)
@@ -46,8 +51,18 @@ class SlotState:
         self.prompt_len[i] = adm.prompt_len
 
     def update(self, upd: SlotUpdate) -> None:
-        locs = torch.from_numpy(upd.kv_locs).to(self.device)
-        self.req_to_token[upd.req_pool_idx, upd.start : upd.start + locs.numel()] = locs
+        n = len(upd.kv_locs)
+        (locs,) = upload([upd.kv_locs], self.device)
+        self.req_to_token[upd.req_pool_idx, upd.start : upd.start + n] = locs
+        if upd.token_ids is not None:
+            (ids,) = upload([upd.token_ids], self.device)
+            self.token_ids[upd.req_pool_idx, upd.start : upd.start + n] = ids
+        pos = np.arange(upd.start, upd.start + n)
+        self.req_to_page[upd.req_pool_idx, pos // self.page_size] = upd.kv_locs // self.page_size
+
+    def record_pages(self, rows: np.ndarray, positions: np.ndarray, loc: np.ndarray) -> None:
+        """Host mirror of ``record``'s KV slots. rows/positions/loc: [T] int64."""
+        self.req_to_page[rows, positions // self.page_size] = loc // self.page_size
 
     def record(self, rows: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Write this step's KV slots and token ids; returns ids with placeholders (-1) resolved."""
@@ -57,25 +72,30 @@ class SlotState:
         self.token_ids[rows, positions] = ids
         return ids
 
+    def is_plain_greedy(self, slots: np.ndarray) -> bool:
+        """Every row greedy, without penalties or logprobs: sampling is one argmax."""
+        return bool((self.temperature[slots] == 0).all() and (self.frequency_penalty[slots] == 0).all()
+                    and (self.presence_penalty[slots] == 0).all() and (self.repetition_penalty[slots] == 1).all()
+                    and (self.top_n[slots] < 0).all())
+
     def sampling_tensors(self, slots: np.ndarray, seq_lens: np.ndarray) -> tuple[SamplingTensors, bool]:
         """Tensors for the sampling rows ``slots`` (next token at position ``seq_lens``), and whether
         any row wants log-probabilities."""
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
         temp = self.temperature[slots]
         freq, pres, rep = self.frequency_penalty[slots], self.presence_penalty[slots], self.repetition_penalty[slots]
+        floats = upload([temp, self.top_p[slots], self.min_p[slots], freq, pres, rep], self.device, torch.float32)
+        ints = upload([self.top_k[slots], self.seed[slots], seq_lens], self.device)
         tensors = SamplingTensors(
-            temperatures=dev(temp),
-            top_ps=dev(self.top_p[slots]),
-            top_ks=dev(self.top_k[slots]),
-            min_ps=dev(self.min_p[slots]),
-            seeds=dev(self.seed[slots]),
-            positions=dev(seq_lens.astype(np.int64)),
-            frequency_penalties=dev(freq),
-            presence_penalties=dev(pres),
-            repetition_penalties=dev(rep),
+            temperatures=floats[0],
+            top_ps=floats[1],
+            top_ks=ints[0],
+            min_ps=floats[2],
+            seeds=ints[1],
+            positions=ints[2],
+            frequency_penalties=floats[3],
+            presence_penalties=floats[4],
+            repetition_penalties=floats[5],
             any_penalties=bool((freq != 0).any() or (pres != 0).any() or (rep != 1).any()),
             all_greedy=bool((temp == 0).all()),
             max_top_n=int(self.top_n[slots].max(initial=0)),

@@ -204,7 +204,8 @@ class Scheduler:
         self._admissions.append(ReqAdmission(req.req_pool_idx, req.sampling, req.seed, len(req.prompt_ids)))
         if hit:
             locs = np.asarray(req.kv_locs[:hit], dtype=np.int64)
-            self.pending_updates.append(SlotUpdate(req.req_pool_idx, 0, locs))
+            ids = np.asarray(req.tokens(0, hit), dtype=np.int64)
+            self.pending_updates.append(SlotUpdate(req.req_pool_idx, 0, locs, ids))
 
     def _reserve_decode(self, decodes: list[Req]) -> list[Req]:
         """One KV slot per decoding request, oldest first; retract the newest when memory runs out."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import abc
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from modeserve.engine.forward_mode import ForwardMode
@@ -28,6 +30,9 @@ class AttentionInputs:
     out_cache_loc: torch.Tensor  # [T] int64 (device)
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device): KV slot of each position
     dtype: torch.dtype  # activation dtype
+    # host copies for planning without device syncs (None where the caller has none)
+    req_pool_indices_cpu: np.ndarray | None = None  # [B] int64
+    req_to_page_cpu: np.ndarray | None = None  # [max_reqs, max_pages] int32: page of each request's k-th page
 
     @property
     def seq_lens_cpu(self) -> list[int]:
@@ -73,6 +78,7 @@ BackendFactory = Callable[..., AttentionBackend]
 _BACKENDS: dict[str, str] = {
     "torch": "modeserve.kernels.attention.torch_backend:TorchAttentionBackend",
     "flashinfer": "modeserve.kernels.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "triton": "modeserve.kernels.attention.triton_backend:TritonAttentionBackend",
 }
 _HALF = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its Hopper prefill kernels are built for
@@ -88,7 +94,8 @@ def _importable(module: str) -> bool:
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
                          head_dim: int = 128) -> str:
-    """``auto``: flashinfer on CUDA for fp16/bf16 when installed, else torch (the reference)."""
+    """``auto``: flashinfer on CUDA for fp16/bf16 when installed, else triton on CUDA when installed,
+    else torch (the reference). Triton off CUDA only in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     flashinfer_ok = device.type == "cuda" and dtype in _HALF and head_dim in FLASHINFER_HEAD_DIMS
     if name != "auto":
         if name not in _BACKENDS:
@@ -96,9 +103,14 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
         if name == "flashinfer" and not flashinfer_ok:
             raise ValueError(f"attention backend flashinfer needs a CUDA device, dtype float16 or bfloat16 and "
                              f"head_dim in {FLASHINFER_HEAD_DIMS} (got {device.type}, {dtype}, {head_dim})")
+        if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention backend triton needs a CUDA device, or TRITON_INTERPRET=1 for Triton's "
+                             f"CPU interpreter (got {device.type})")
         return name
     if flashinfer_ok and _importable("flashinfer"):
         return "flashinfer"
+    if device.type == "cuda" and _importable("triton"):
+        return "triton"
     return "torch"
 
 

@@ -8,6 +8,7 @@ once per step on host metadata, outside any CUDA graph.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
@@ -16,22 +17,31 @@ from modeserve.kernels.attention.kv_cache import KVCache
 WORKSPACE_BYTES = 256 * 2**20
 
 
-def page_table(inputs: AttentionInputs, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CSR page table of the batch: (indptr [B+1] int32, indices [P] int32, last_page_len [B] int32).
-
-    A request's positions [k*ps, (k+1)*ps) share one page, so page k is
-    ``req_to_token[r, k*ps] // ps`` (prefix-cache pages are whole pages too).
-    """
-    seq = torch.tensor(inputs.seq_lens_cpu, dtype=torch.int64)
+def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR page table of the batch, built on the host from the slot table's page mirror:
+    (indptr [B+1] int32, indices [P] int32, last_page_len [B] int32). With ``pad_to`` > B, rows
+    B..pad_to-1 are one-token rows on the reserved page 0 (padding of a CUDA-graph bucket)."""
+    assert inputs.req_to_page_cpu is not None and inputs.req_pool_indices_cpu is not None
+    seq = np.asarray(inputs.seq_lens_cpu, dtype=np.int64)  # [B]
     num_pages = (seq + page_size - 1) // page_size  # [B]
     max_pages = int(num_pages.max()) if len(seq) else 0
-    starts = inputs.req_to_token[:, : max_pages * page_size : page_size][inputs.req_pool_indices]  # [B, Pmax]
-    valid = torch.arange(max_pages)[None, :] < num_pages[:, None]
-    indices = (starts[valid.to(starts.device)] // page_size).to(torch.int32)
-    indptr = torch.zeros(len(seq) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(num_pages, 0)
-    last = (seq - (num_pages - 1) * page_size).to(torch.int32)
+    table = inputs.req_to_page_cpu[inputs.req_pool_indices_cpu, :max_pages]  # [B, Pmax]
+    indices = table[np.arange(max_pages)[None, :] < num_pages[:, None]]  # [P], row-major = request order
+    indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    last = (seq - (num_pages - 1) * page_size).astype(np.int32)
+    indices = indices.astype(np.int32)
+    pad = pad_to - len(seq)
+    if pad > 0:
+        indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
+        indices = np.concatenate([indices, np.zeros(pad, dtype=np.int32)])
+        last = np.concatenate([last, np.ones(pad, dtype=np.int32)])
     return indptr, indices, last
+
+
+def _pinned(a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -50,19 +60,20 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         kv = self.kv_cache
         self._out_cache_loc = inputs.out_cache_loc
-        indptr, indices, last = page_table(inputs, kv.page_size)
+        indptr_np, indices_np, last_np = page_table(inputs, kv.page_size)
+        indptr, last = _pinned(indptr_np), _pinned(last_np)
         dev = kv.k[0].device
         common = dict(num_qo_heads=self.num_heads, num_kv_heads=kv.num_kv_heads, page_size=kv.page_size,
                       window_left=self._window_left, sm_scale=self.scale, q_data_type=inputs.dtype,
                       kv_data_type=kv.dtype)
+        indices = _pinned(indices_np).to(dev, non_blocking=True)
         if all(e == 1 for e in inputs.extend_lens_cpu):
-            self._decode.plan(indptr.to(dev), indices, last.to(dev), head_dim=kv.head_dim, **common)
+            self._decode.plan(indptr, indices, last, head_dim=kv.head_dim, **common)
             self._wrapper = self._decode
         else:
-            qo_indptr = torch.zeros(len(inputs.extend_lens_cpu) + 1, dtype=torch.int32)
-            qo_indptr[1:] = torch.cumsum(torch.tensor(inputs.extend_lens_cpu, dtype=torch.int64), 0)
-            self._prefill.plan(qo_indptr.to(dev), indptr.to(dev), indices, last.to(dev), head_dim_qk=kv.head_dim,
-                               causal=True, **common)
+            qo = np.zeros(len(inputs.extend_lens_cpu) + 1, dtype=np.int32)
+            np.cumsum(inputs.extend_lens_cpu, out=qo[1:])
+            self._prefill.plan(_pinned(qo), indptr, indices, last, head_dim_qk=kv.head_dim, causal=True, **common)
             self._wrapper = self._prefill
 
     # ---- CUDA graphs (decode) -----------------------------------------------------------------
@@ -81,20 +92,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev))
         self._graph_wrappers[bs] = wrapper
-        indptr = torch.arange(bs + 1, dtype=torch.int32)
-        self._plan_decode(wrapper, indptr, torch.zeros(bs, dtype=torch.int32, device=dev),
-                          torch.ones(bs, dtype=torch.int32))
+        self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32),
+                          torch.zeros(bs, dtype=torch.int32, device=dev), torch.ones(bs, dtype=torch.int32))
         self._wrapper, self._out_cache_loc = wrapper, out_cache_loc
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
         """Plan the real rows, padded to ``bs`` with one-token rows on page 0."""
-        indptr, indices, last = page_table(inputs, self.kv_cache.page_size)
-        pad = bs - (len(indptr) - 1)
-        if pad:
-            indptr = torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)])
-            indices = torch.cat([indices, torch.zeros(pad, dtype=torch.int32, device=indices.device)])
-            last = torch.cat([last, torch.ones(pad, dtype=torch.int32)])
-        self._plan_decode(self._graph_wrappers[bs], indptr, indices, last)
+        indptr, indices, last = page_table(inputs, self.kv_cache.page_size, pad_to=bs)
+        dev = self.kv_cache.k[0].device
+        self._plan_decode(self._graph_wrappers[bs], _pinned(indptr), _pinned(indices).to(dev, non_blocking=True),
+                          _pinned(last))
         self._wrapper = self._graph_wrappers[bs]
 
     def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n modeserve/proto/v1/forward.proto\x12\x0cmodeserve.v1\"\xb3\x01\n\x0cSlotSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\"t\n\x0cReqAdmission\x12\x14\n\x0creq_pool_idx\x18\x01 \x01(\x03\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.modeserve.v1.SlotSampling\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nprompt_len\x18\x04 \x01(\x03\"B\n\nSlotUpdate\x12\x14\n\x0creq_pool_idx\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0f\n\x07kv_locs\x18\x03 \x01(\x0c\"\xbd\x03\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\x0c\x66orward_mode\x18\x02 \x01(\x0e\x32\x19.modeserve.v1.ForwardMode\x12\x18\n\x10req_pool_indices\x18\x03 \x01(\x0c\x12\x13\n\x0bprefix_lens\x18\x04 \x01(\x0c\x12\x13\n\x0b\x65xtend_lens\x18\x05 \x01(\x0c\x12\x13\n\x0bsample_mask\x18\x06 \x01(\x0c\x12\x11\n\tinput_ids\x18\x07 \x01(\x0c\x12\x11\n\tpositions\x18\x08 \x01(\x0c\x12\x15\n\rout_cache_loc\x18\t \x01(\x0c\x12.\n\nadmissions\x18\n \x03(\x0b\x32\x1a.modeserve.v1.ReqAdmission\x12.\n\x0cslot_updates\x18\x0b \x03(\x0b\x32\x18.modeserve.v1.SlotUpdate\x12\x43\n\rtrace_context\x18\x0c \x03(\x0b\x32,.modeserve.v1.ForwardBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa4\x01\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0enext_token_ids\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\x12\x17\n\x0ftop_logprob_ids\x18\x04 \x01(\x0c\x12\x1a\n\x12top_logprob_values\x18\x05 \x01(\x0c\x12\r\n\x05top_n\x18\x06 \x01(\x05\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01*\x89\x02\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46ORWARD_MODE_EXTEND\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04\x12\x1e\n\x1a\x46ORWARD_MODE_TARGET_VERIFY\x10\x05\x12\x1d\n\x19\x46ORWARD_MODE_DRAFT_EXTEND\x10\x06\x12\x1c\n\x18\x46ORWARD_MODE_DLLM_EXTEND\x10\x07\x12\x1e\n\x1a\x46ORWARD_MODE_SPLIT_PREFILL\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n modeserve/proto/v1/forward.proto\x12\x0cmodeserve.v1\"\xb3\x01\n\x0cSlotSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\"t\n\x0cReqAdmission\x12\x14\n\x0creq_pool_idx\x18\x01 \x01(\x03\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.modeserve.v1.SlotSampling\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nprompt_len\x18\x04 \x01(\x03\"U\n\nSlotUpdate\x12\x14\n\x0creq_pool_idx\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x03\x12\x0f\n\x07kv_locs\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\"\xbd\x03\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\x0c\x66orward_mode\x18\x02 \x01(\x0e\x32\x19.modeserve.v1.ForwardMode\x12\x18\n\x10req_pool_indices\x18\x03 \x01(\x0c\x12\x13\n\x0bprefix_lens\x18\x04 \x01(\x0c\x12\x13\n\x0b\x65xtend_lens\x18\x05 \x01(\x0c\x12\x13\n\x0bsample_mask\x18\x06 \x01(\x0c\x12\x11\n\tinput_ids\x18\x07 \x01(\x0c\x12\x11\n\tpositions\x18\x08 \x01(\x0c\x12\x15\n\rout_cache_loc\x18\t \x01(\x0c\x12.\n\nadmissions\x18\n \x03(\x0b\x32\x1a.modeserve.v1.ReqAdmission\x12.\n\x0cslot_updates\x18\x0b \x03(\x0b\x32\x18.modeserve.v1.SlotUpdate\x12\x43\n\rtrace_context\x18\x0c \x03(\x0b\x32,.modeserve.v1.ForwardBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa4\x01\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0enext_token_ids\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\x12\x17\n\x0ftop_logprob_ids\x18\x04 \x01(\x0c\x12\x1a\n\x12top_logprob_values\x18\x05 \x01(\x0c\x12\r\n\x05top_n\x18\x06 \x01(\x05\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01*\x89\x02\n\x0b\x46orwardMode\x12\x1c\n\x18\x46ORWARD_MODE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x46ORWARD_MODE_EXTEND\x10\x01\x12\x17\n\x13\x46ORWARD_MODE_DECODE\x10\x02\x12\x16\n\x12\x46ORWARD_MODE_MIXED\x10\x03\x12\x15\n\x11\x46ORWARD_MODE_IDLE\x10\x04\x12\x1e\n\x1a\x46ORWARD_MODE_TARGET_VERIFY\x10\x05\x12\x1d\n\x19\x46ORWARD_MODE_DRAFT_EXTEND\x10\x06\x12\x1c\n\x18\x46ORWARD_MODE_DLLM_EXTEND\x10\x07\x12\x1e\n\x1a\x46ORWARD_MODE_SPLIT_PREFILL\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FORWARDMODE']._serialized_start=1034
-  _globals['_FORWARDMODE']._serialized_end=1299
+  _globals['_FORWARDMODE']._serialized_start=1053
+  _globals['_FORWARDMODE']._serialized_end=1318
   _globals['_SLOTSAMPLING']._serialized_start=51
   _globals['_SLOTSAMPLING']._serialized_end=230
   _globals['_REQADMISSION']._serialized_start=232
   _globals['_REQADMISSION']._serialized_end=348
   _globals['_SLOTUPDATE']._serialized_start=350
-  _globals['_SLOTUPDATE']._serialized_end=416
-  _globals['_FORWARDBATCH']._serialized_start=419
-  _globals['_FORWARDBATCH']._serialized_end=864
-  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_start=813
-  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_end=864
-  _globals['_FORWARDRESULT']._serialized_start=867
-  _globals['_FORWARDRESULT']._serialized_end=1031
+  _globals['_SLOTUPDATE']._serialized_end=435
+  _globals['_FORWARDBATCH']._serialized_start=438
+  _globals['_FORWARDBATCH']._serialized_end=883
+  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_start=832
+  _globals['_FORWARDBATCH_TRACECONTEXTENTRY']._serialized_end=883
+  _globals['_FORWARDRESULT']._serialized_start=886
+  _globals['_FORWARDRESULT']._serialized_end=1050
 # @@protoc_insertion_point(module_scope)

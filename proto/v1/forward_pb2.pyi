@@ -61,14 +61,16 @@ class ReqAdmission(_message.Message):
     def __init__(self, req_pool_idx: _Optional[int] = ..., sampling: _Optional[_Union[SlotSampling, _Mapping]] = ..., seed: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class SlotUpdate(_message.Message):
-    __slots__ = ("req_pool_idx", "start", "kv_locs")
+    __slots__ = ("req_pool_idx", "start", "kv_locs", "token_ids")
     REQ_POOL_IDX_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     KV_LOCS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     req_pool_idx: int
     start: int
     kv_locs: bytes
-    def __init__(self, req_pool_idx: _Optional[int] = ..., start: _Optional[int] = ..., kv_locs: _Optional[bytes] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, req_pool_idx: _Optional[int] = ..., start: _Optional[int] = ..., kv_locs: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
     __slots__ = ("step", "forward_mode", "req_pool_indices", "prefix_lens", "extend_lens", "sample_mask", "input_ids", "positions", "out_cache_loc", "admissions", "slot_updates", "trace_context")

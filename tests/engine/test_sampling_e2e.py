@@ -77,3 +77,23 @@ def test_logprobs_match_reference(tiny_llama: Path, ref: torch.nn.Module) -> Non
         assert [t for t, _ in top] == idx.tolist()
         assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4)
         ids.append(tok)
+
+
+def test_penalties_see_the_prompt_served_from_the_prefix_cache(tiny_llama: Path) -> None:
+    """A prompt whose first pages come from the prefix cache is penalised on those tokens too: the
+    engine's token history of the cached positions arrives with the slot update."""
+    vocab = COMMON["vocab_size"]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    base = [(7 * i + 3) % vocab for i in range(24)]
+    liked = LLM(model=str(tiny_llama)).generate(prompt_token_ids=[base], sampling_params=greedy)[0].token_ids
+    prompt = base + liked  # the tokens the model wants next are in the (cached) prompt: penalised
+    sp = greedy.replace(repetition_penalty=5.0)
+    fresh = LLM(model=str(tiny_llama), enable_prefix_cache=False).generate(prompt_token_ids=[prompt],
+                                                                           sampling_params=sp)[0].token_ids
+    llm = LLM(model=str(tiny_llama), page_size=4)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=sp.replace(max_new_tokens=1))  # caches the prompt
+    other = [t for t in range(vocab) if t not in prompt][: len(prompt) + 4]
+    llm.generate(prompt_token_ids=[other], sampling_params=sp.replace(max_new_tokens=1))  # reuses the slot
+    cached = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+    assert cached.num_cached_tokens >= 32
+    assert cached.token_ids == fresh
