@@ -1,0 +1,168 @@
+"""Paged decode attention in Triton: one query token per request, split-K (flash decoding).
+
+Request b's keys are the KV slots ``req_to_token[req_pool_indices[b], 0:seq_lens[b]]`` (token-level
+indirection, so any page size works). Stage 1 runs one program per (request, kv head, split): it
+attends all query heads of that kv head (GQA) to one slice of the keys, with online softmax in fp32,
+and writes the slice's normalised output and log-sum-exp. Stage 2 merges the slices per query head.
+
+Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
+counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe. For
+the same reason the slot table is reached through ``table_ref`` ([2] int64: its address and row
+stride, stored in device memory): a captured graph then follows whichever table was bound last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr,  # q [B, Hq, D]; k/v cache [num_slots, Hkv, D]
+    table_ref_ptr,  # [2] int64: address of req_to_token (int64), its row stride
+    req_pool_ptr, seq_lens_ptr,  # [B]
+    mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32; out [B, Hq, D] (one split)
+    scale_log2, window,  # window <= 0: none
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    table = tl.load(table_ref_ptr).to(tl.pointer_type(tl.int64))
+    table_stride = tl.load(table_ref_ptr + 1)
+    req = tl.load(req_pool_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+
+    # keys [kv_start, seq_len) are visible; this program takes one BLOCK_N-aligned slice of them
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h  # query heads sharing this kv head
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    row = table + req * table_stride
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slots = tl.load(row + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every slice step has a visible key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:  # the whole answer: no merge
+        tl.store(out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        return
+    # an empty slice (short sequence, many splits) writes o = 0 and lse = -inf: stage 2 weighs it 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    o_ptrs = mid_o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32 -> out [B, Hq, D]
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]; the first slice always has keys
+    o = tl.load(mid_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def table_ref(req_to_token: torch.Tensor) -> torch.Tensor:
+    """[2] int64 on the host: (address, row stride) of ``req_to_token`` [max_reqs, max_context] int64."""
+    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be int64 with contiguous rows")
+    return torch.tensor([req_to_token.data_ptr(), req_to_token.stride(0)], dtype=torch.int64)
+
+
+def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
+    """Splits per (request, kv head) so that stage 1 has about two programs per SM; 1 for big batches.
+
+    Depends only on the batch size and heads, so a captured graph and an eager step agree."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(max_splits, math.ceil(2 * num_sms / max(batch_size * num_kv_heads, 1))))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_ref_dev: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], table_ref_dev: [2] int64 (device, see ``table_ref``),
+    req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
+
+    A query sees keys at positions > seq_len - 1 - sliding_window (all of them without a window)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
+        raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_mid = batch if splits > 1 else 1  # one split writes ``out`` directly
+    mid_o = torch.empty(num_mid, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(num_mid, num_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, table_ref_dev, req_pool_indices, seq_lens, mid_o, mid_lse, out,
+        scale * LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32, BLOCK_D=block_d,  # spill-free on sm_90 (bf16) for head_dim up to 256
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if head_dim <= 128 else 8,
+    )
+    if splits == 1:
+        return out
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
