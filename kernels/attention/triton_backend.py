@@ -1,0 +1,107 @@
+"""The project's own Triton attention over the paged KV cache (CUDA; Triton's interpreter in tests).
+
+DECODE (every ``extend_len`` 1) runs the split-K decode kernel, EXTEND and MIXED the extend kernel
+(decode rows of a MIXED batch are rows with one query). Both read KV slots through ``req_to_token``
+at token granularity, so any page size works, and both take their loop bounds from device memory:
+``init_forward_metadata`` only copies a few [B] host lists to the device, with no sync and no plan.
+
+CUDA graphs (decode): each captured batch size owns static ``req_pool_indices``/``seq_lens``
+buffers that ``init_replay`` fills (padded rows: request row 0, one key, which is a valid slot). The
+slot table is not known at capture (``init_capture`` gets none), so the decode kernel reads its
+address from a static device buffer (``table_ref``) that points at a dummy one-slot table during
+capture and at the step's ``req_to_token`` after every ``init_forward_metadata``/``init_replay``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from modeserve.kernels.attention.kv_cache import KVCache
+from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
+from modeserve.kernels.triton.attention_extend import extend_attention
+
+
+@dataclass(frozen=True)
+class _DecodeMeta:
+    req_pool_indices: torch.Tensor  # [B] (device)
+    seq_lens: torch.Tensor  # [B] (device)
+
+
+@dataclass(frozen=True)
+class _ExtendMeta:
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
+    req_pool_indices: torch.Tensor  # [B] (device)
+    qo_start: torch.Tensor  # [B] int32 (device): first query row of each request
+    prefix_lens: torch.Tensor  # [B] int32 (device)
+    extend_lens: torch.Tensor  # [B] int32 (device)
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> None:
+        super().__init__(kv_cache, num_heads, scale, sliding_window)
+        self._device = kv_cache.k[0].device
+        self._dummy_table = torch.zeros(1, 1, dtype=torch.int64, device=self._device)  # one row: slot 0
+        self._table_ref = table_ref(self._dummy_table).to(self._device)  # [2]: address, row stride
+        self._bound_table: torch.Tensor = self._dummy_table
+        self._meta: _DecodeMeta | _ExtendMeta | None = None
+        self._out_cache_loc = torch.zeros(0, dtype=torch.int64, device=self._device)
+        self._graph_meta: dict[int, _DecodeMeta] = {}  # batch-size bucket -> static buffers
+
+    def _bind_table(self, req_to_token: torch.Tensor) -> None:
+        """Point ``table_ref`` at ``req_to_token`` (a copy in stream order; only when it changes)."""
+        if req_to_token is not self._bound_table:
+            self._table_ref.copy_(table_ref(req_to_token), non_blocking=True)
+            self._bound_table = req_to_token  # keeps the table alive while kernels read it
+
+    def init_forward_metadata(self, inputs: AttentionInputs) -> None:
+        self._out_cache_loc = inputs.out_cache_loc
+        extend_lens = inputs.extend_lens_cpu
+        if all(e == 1 for e in extend_lens):
+            self._bind_table(inputs.req_to_token)
+            self._meta = _DecodeMeta(inputs.req_pool_indices, inputs.seq_lens)
+            return
+        qo_start = [0] * len(extend_lens)
+        for i in range(1, len(extend_lens)):
+            qo_start[i] = qo_start[i - 1] + extend_lens[i - 1]
+        host = torch.tensor([qo_start, inputs.prefix_lens_cpu, extend_lens], dtype=torch.int32)  # [3, B]
+        dev = host.to(self._device, non_blocking=True)
+        self._meta = _ExtendMeta(inputs.req_to_token, inputs.req_pool_indices, dev[0], dev[1], dev[2],
+                                 max(extend_lens))
+
+    # ---- CUDA graphs (decode) -----------------------------------------------------------------
+    supports_cuda_graph = True
+
+    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+        """Static buffers for ``bs`` rows, each one key at row 0 of the dummy table (slot 0)."""
+        meta = _DecodeMeta(torch.zeros(bs, dtype=torch.int64, device=self._device),
+                           torch.ones(bs, dtype=torch.int64, device=self._device))
+        self._graph_meta[bs] = meta
+        self._bind_table(self._dummy_table)
+        self._meta, self._out_cache_loc = meta, out_cache_loc
+
+    def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
+        """Copy the real rows into the bucket's static buffers; padded rows: request row 0, one key."""
+        meta, n = self._graph_meta[bs], len(inputs.extend_lens_cpu)
+        meta.req_pool_indices[:n].copy_(inputs.req_pool_indices, non_blocking=True)
+        meta.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
+        meta.req_pool_indices[n:].zero_()
+        meta.seq_lens[n:].fill_(1)
+        self._bind_table(inputs.req_to_token)
+        self._meta = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        # q: [T, Hq, D], k/v: [T, Hkv, D]
+        self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
+        k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
+        meta = self._meta
+        if isinstance(meta, _DecodeMeta):
+            return decode_attention(q, k_cache, v_cache, self._table_ref, meta.req_pool_indices, meta.seq_lens,
+                                    self.scale, self.sliding_window)
+        if isinstance(meta, _ExtendMeta):
+            return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,
+                                    meta.prefix_lens, meta.extend_lens, meta.max_extend_len, self.scale,
+                                    self.sliding_window)
+        raise RuntimeError("init_forward_metadata (or init_replay) must run before forward")
