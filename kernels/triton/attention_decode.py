@@ -3,7 +3,8 @@
 Request b's keys are the KV slots ``req_to_token[req_pool_indices[b], 0:seq_lens[b]]`` (token-level
 indirection, so any page size works). Stage 1 runs one program per (request, kv head, split): it
 attends all query heads of that kv head (GQA) to one slice of the keys, with online softmax in fp32,
-and writes the slice's normalised output and log-sum-exp. Stage 2 merges the slices per query head.
+and writes the slice's normalised output and log-sum-exp. Stage 2 merges the slices per query head
+(with one split, stage 1 writes the output itself and stage 2 is skipped).
 
 Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
 counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe. For
