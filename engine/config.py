@@ -22,6 +22,7 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
+    kernel_backend: str = "auto"  # elementwise ops: auto (triton on CUDA), torch, triton
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights of its config.json
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay captured graphs
@@ -29,6 +30,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

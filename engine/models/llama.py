@@ -14,22 +14,29 @@ from torch import nn
 from modeserve.engine.models.model_config import ModelConfig
 from modeserve.kernels import ops
 from modeserve.kernels.attention.base import AttentionBackend
+from modeserve.kernels.op_set import TORCH_OPS, KernelOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kops = kops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return self.kops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        return self.kops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kops: KernelOps) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.kops = kops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -37,8 +44,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kops)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionBackend
@@ -51,28 +58,29 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        q, k = self.kops.apply_rotary(q, k, positions, cos_sin)
         out = attn.forward(q, k, v, self.layer_id)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kops: KernelOps) -> None:
         super().__init__()
+        self.kops = kops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kops: KernelOps) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, kops)
+        self.mlp = LlamaMLP(cfg, kops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kops)
 
     def forward(
         self,
@@ -86,10 +94,9 @@ class LlamaDecoderLayer(nn.Module):
             residual = x
             x = self.input_layernorm(x)
         else:
-            x, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            x, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(positions, x, cos_sin, attn)
-        norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
         return self.mlp(x), residual
 
 
@@ -103,12 +110,13 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
+        self.kops = kops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -134,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, self.cos_sin, attn)
         assert residual is not None
-        x, _ = ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        x, _ = self.norm.add_forward(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from modeserve.engine.models.llama import LlamaForCausalLM
 from modeserve.engine.models.model_config import ModelConfig, parse_model_config
+from modeserve.kernels.op_set import TORCH_OPS, KernelOps
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,10 +91,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     progress: Callable[[str], None] | None = None,
+    kops: KernelOps = TORCH_OPS,
 ) -> LlamaForCausalLM:
     """Build on ``meta``, allocate once on ``device`` (uninitialised), then copy each tensor in."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config)
+        model = LlamaForCausalLM(ckpt.config, kops)
     model = model.to(dtype).to_empty(device=device)
     if ckpt.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

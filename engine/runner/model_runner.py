@@ -23,6 +23,7 @@ from modeserve.engine.runner.host_io import PendingResult, upload
 from modeserve.engine.runner.slot_state import SlotState
 from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from modeserve.kernels.attention.kv_cache import KVCache
+from modeserve.kernels.op_set import kernel_ops
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ class ModelRunner:
         self._init_cuda_graphs(progress)
 
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
-        self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress)
+        self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
+        self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
 
     def _init_memory(self) -> None:
         mc = self.model_config

@@ -24,21 +24,25 @@ def test_fp32_cuda_greedy_equals_transformers(tmp_path: Path, arch: str) -> None
     ref = load_reference(folder)
     prompts = mixed_prompts(8, COMMON["vocab_size"], seed=11)
     llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, **SCHED)
+    assert llm.runner.kernel_ops.name == "triton" and llm.runner.attention_backend_name == "triton"  # auto, fp32
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     for p, o in zip(prompts, outs):
         assert o.token_ids == reference_greedy(ref, p, 10)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("arch", ["llama3", "mistral-window"])
-def test_flashinfer_logits_equal_torch_backend_bf16(tmp_path: Path, arch: str, page_size: int) -> None:
-    pytest.importorskip("flashinfer")
+@pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen3"])
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_backend_logits_equal_torch_reference_bf16(tmp_path: Path, arch: str, page_size: int, backend: str) -> None:
+    """Attention backend and fused Triton ops against the torch references (attention and ops),
+    teacher-forced step by step in EXTEND, MIXED and DECODE."""
+    pytest.importorskip(backend)
     folder = make_tiny_model(arch, tmp_path / arch, head_dim=64)  # FlashInfer's Hopper kernels: 64/128/256
     prompts = mixed_prompts(8, COMMON["vocab_size"], seed=12, shared_prefix=16)
     kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, **SCHED)
-    fi, ref = LLM(model=str(folder), attention_backend="flashinfer", **kw), LLM(model=str(folder),
-                                                                                 attention_backend="torch", **kw)
-    assert fi.runner.attention_backend_name == "flashinfer"
+    fi = LLM(model=str(folder), attention_backend=backend, kernel_backend="triton", **kw)
+    ref = LLM(model=str(folder), attention_backend="torch", kernel_backend="torch", **kw)
+    assert fi.runner.attention_backend_name == backend
     for llm in (fi, ref):
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)  # warm the prefix cache
         for p in prompts:
@@ -57,11 +61,12 @@ def test_flashinfer_logits_equal_torch_backend_bf16(tmp_path: Path, arch: str, p
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cuda_graph_replay_equals_eager(tmp_path: Path, page_size: int) -> None:
-    pytest.importorskip("flashinfer")
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_cuda_graph_replay_equals_eager(tmp_path: Path, page_size: int, backend: str) -> None:
+    pytest.importorskip(backend)
     folder = make_tiny_model("llama3", tmp_path / "m", head_dim=64)
     prompts = mixed_prompts(11, COMMON["vocab_size"], seed=13)  # 11 rows: padded to the 12 bucket
-    kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, attention_backend="flashinfer",
+    kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, attention_backend=backend,
               cuda_graph_max_bs=16, **SCHED)
     graphs, eager = LLM(model=str(folder), **kw), LLM(model=str(folder), disable_cuda_graph=True, **kw)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None

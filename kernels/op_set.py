@@ -1,0 +1,44 @@
+"""Which implementation of the decoder's elementwise ops a model calls: the torch references
+(``kernels.ops``) or the fused Triton kernels (``kernels.triton.ops``), same signatures."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from modeserve.kernels import ops
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary)
+
+
+def resolve_kernel_backend(name: str, device: torch.device) -> str:
+    """``auto``: Triton on CUDA when installed, else the torch references."""
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {KERNEL_BACKENDS}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    return name
+
+
+def kernel_ops(name: str, device: torch.device) -> KernelOps:
+    if resolve_kernel_backend(name, device) == "torch":
+        return TORCH_OPS
+    from modeserve.kernels.triton import ops as triton_ops
+
+    return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
+                     triton_ops.apply_rotary)
