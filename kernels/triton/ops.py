@@ -1,0 +1,12 @@
+"""The decoder's elementwise ops as Triton kernels: a drop-in alternative to ``kernels.ops``.
+
+Same names, signatures and semantics as the torch references, so a model may use either module.
+"""
+
+from __future__ import annotations
+
+from modeserve.kernels.triton.activation import silu_and_mul
+from modeserve.kernels.triton.norm import add_rms_norm, rms_norm
+from modeserve.kernels.triton.rotary import apply_rotary
+
+__all__ = ["add_rms_norm", "apply_rotary", "rms_norm", "silu_and_mul"]
