@@ -21,9 +21,10 @@ class KernelOps:
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary)
+TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -39,6 +40,7 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     if resolve_kernel_backend(name, device) == "torch":
         return TORCH_OPS
     from modeserve.kernels.triton import ops as triton_ops
+    from modeserve.kernels.triton.rotary import store_kv
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     triton_ops.apply_rotary)
+                     triton_ops.apply_rotary, store_kv)

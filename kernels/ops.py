@@ -73,3 +73,10 @@ def apply_rotary(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write k, v: [T, Hkv, D] into k_cache, v_cache: [num_slots, Hkv, D] at slots loc: [T]."""
+    k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, loc, v.to(v_cache.dtype))

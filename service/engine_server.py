@@ -1,14 +1,16 @@
 """The engine pod's gRPC service (``modeserve.v1.Engine``): ForwardBatch steps in, results out.
 
-One ``ModelRunner`` serves every stream; it is not thread-safe, so forwards run one at a time under
+One ``ModelRunner`` serves every stream; it is not thread-safe, so launches run one at a time under
 a lock. Each stream is independent: a bad batch ends only the stream that sent it, and validation
 (``convert.batch_from_proto``) happens before the runner is touched.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import queue
 import threading
 import time
 from typing import Iterator, NoReturn, Sequence
@@ -16,6 +18,8 @@ from typing import Iterator, NoReturn, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from modeserve.engine.forward_batch import ForwardResult
+from modeserve.engine.runner.host_io import PendingResult
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from modeserve.service.convert import BatchLimits, batch_from_proto, result_to_proto
@@ -48,12 +52,24 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
         max_context_len=runner.max_context,
         vocab_size=runner.model_config.vocab_size,
         eos_token_ids=list(dict.fromkeys(eos)),
-        cuda_graph_batch_sizes=[],  # no CUDA graphs captured in this build
+        cuda_graph_batch_sizes=runner.graphs.buckets if runner.graphs is not None else [],
         dp_rank=dp_rank,
         device=str(runner.device),
         dtype=runner.cfg.torch_dtype_name,
         attention_backend=runner.attention_backend_name,
     )
+
+
+def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],
+              inbox: queue.Queue[forward_pb2.ForwardBatch | None]) -> None:
+    """Move a stream's messages into ``inbox``; None marks its end (closed, cancelled or broken)."""
+    try:
+        for msg in request_iterator:
+            inbox.put(msg)
+    except Exception:  # the RPC ended under us (cancelled, deadline): the stream is over either way
+        pass
+    finally:
+        inbox.put(None)
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -118,29 +134,54 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     def Forward(self, request_iterator: Iterator[forward_pb2.ForwardBatch],
                 context: grpc.ServicerContext) -> Iterator[forward_pb2.ForwardResult]:
+        """Results in step order. A batch that has arrived is launched before the previous step's
+        result is awaited, so the device runs step N while step N+1 is unpacked, uploaded and planned."""
         with self._stream(context):
-            for msg in request_iterator:
-                yield self._forward_one(msg, context)
+            inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
+            threading.Thread(target=_read_all, args=(request_iterator, inbox), name="engine-stream-reader",
+                             daemon=True).start()
+            pending: collections.deque[tuple[int, float, PendingResult[ForwardResult]]] = collections.deque()
+            ended = False
+            while not ended or pending:
+                msg: forward_pb2.ForwardBatch | None = None
+                if not ended:
+                    try:
+                        msg = inbox.get(block=not pending)
+                        ended = msg is None
+                    except queue.Empty:
+                        pass
+                if msg is not None:
+                    launched, error = self._launch(msg)
+                    if error is not None:  # earlier steps' results first, then end this stream
+                        while pending:
+                            yield self._finish(*pending.popleft())
+                        _abort(context, *error)
+                    assert launched is not None
+                    pending.append((msg.step, time.perf_counter(), launched))
+                    if len(pending) < 2:
+                        continue
+                if pending:
+                    yield self._finish(*pending.popleft())
 
-    def _forward_one(self, msg: forward_pb2.ForwardBatch, context: grpc.ServicerContext) -> forward_pb2.ForwardResult:
+    def _launch(self, msg: forward_pb2.ForwardBatch) -> tuple[PendingResult[ForwardResult] | None,
+                                                                tuple[grpc.StatusCode, str] | None]:
         try:
             batch = batch_from_proto(msg, self._limits)
         except ValueError as exc:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
-        error: tuple[grpc.StatusCode, str] | None = None
+            return None, (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
         with self._forward_lock:
-            start = time.perf_counter()
             try:
-                result = self._runner.forward(batch)
+                return self._runner.launch(batch), None
             except ValueError as exc:  # e.g. a known forward mode this build does not implement
-                error = (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
+                return None, (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
             except Exception as exc:  # a device or model failure: end this stream, keep serving
                 logger.exception("forward of step %d failed", msg.step)
-                error = (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
-            seconds = time.perf_counter() - start
-        if error is not None:
-            _abort(context, *error)
-        return result_to_proto(result, msg.step, seconds)
+                return None, (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
+
+    @staticmethod
+    def _finish(step: int, start: float, launched: PendingResult[ForwardResult]) -> forward_pb2.ForwardResult:
+        result = launched.result()
+        return result_to_proto(result, step, time.perf_counter() - start)
 
     def Describe(self, request: engine_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> engine_pb2.EngineDescription:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Any, Iterator
 
 import pytest
 
@@ -23,6 +25,31 @@ def _cuda_available() -> bool:
 # CI checks the project's own kernels against the torch references too.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def triton_interpreter_scalar_index() -> Iterator[None]:
+    """Triton 3.6's interpreter turns a loop bound read from memory into an int with
+    ``int(ndarray of shape (1,))``, an error since numpy 2.4 (triton-lang/triton#9171, fixed upstream
+    by taking ``.item()``): apply that fix while tests run under the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if np.lib.NumpyVersion(np.__version__) < "2.4.0" or not hasattr(interpreter, "_patch_lang_tensor"):
+        yield
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: type, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.models.llama import LlamaForCausalLM
@@ -41,7 +42,9 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self, progress: Callable[[str], None] | None) -> None:
         pool = None
-        for bs in reversed(self.buckets):  # largest first: later graphs reuse its memory
+        bar = tqdm(list(reversed(self.buckets)), desc="Capturing CUDA graphs", unit="graph", leave=False)
+        for bs in bar:  # largest first: later graphs reuse its memory
+            bar.set_postfix(bs=bs)
             self.attn.init_capture(bs, self.out_cache_loc[:bs])
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(bs)

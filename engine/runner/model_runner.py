@@ -62,7 +62,8 @@ class ModelRunner:
         bytes_per_token = mc.kv_bytes_per_token * self.dtype.itemsize
         self.num_kv_slots = kv_cache_slots(self.cfg, bytes_per_token, self.max_context)
         self.kv_cache = KVCache(
-            mc.num_layers, self.num_kv_slots, mc.num_kv_heads, mc.head_dim, self.cfg.page_size, self.dtype, self.device
+            mc.num_layers, self.num_kv_slots, mc.num_kv_heads, mc.head_dim, self.cfg.page_size, self.dtype, self.device,
+            self.kernel_ops.store_kv,
         )
         self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device, self.cfg.page_size)
         logger.info(

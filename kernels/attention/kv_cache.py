@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from modeserve.kernels import ops
 
 
 class KVCache:
@@ -20,7 +24,9 @@ class KVCache:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] = ops.store_kv,
     ) -> None:
+        self._store = store
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -32,8 +38,7 @@ class KVCache:
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [T], k/v: [T, Hkv, D]
-        self.k[layer_id].index_copy_(0, loc, k.to(self.dtype))
-        self.v[layer_id].index_copy_(0, loc, v.to(self.dtype))
+        self._store(self.k[layer_id], self.v[layer_id], loc, k, v)
 
     def paged(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [num_pages, page_size, Hkv, D] of the same memory, for paged kernels."""

@@ -8,8 +8,6 @@ Without a GPU the kernels run in Triton's CPU interpreter (float32); the GPU var
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -78,27 +76,6 @@ def decode_inputs(case: dict, rows: list[int], device: str, dtype: torch.dtype) 
         prefix_lens_cpu=[case["prefix"][r] for r in rows], extend_lens_cpu=[1] * len(rows),
         seq_lens=torch.tensor([case["seq"][r] for r in rows], device=device),
         out_cache_loc=case["out_loc"][rows], req_to_token=case["req_to_token"], dtype=dtype)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_scalar_index() -> Iterator[None]:
-    """Triton 3.6's interpreter turns a loop bound read from memory into an int with
-    ``int(ndarray of shape (1,))``, an error since numpy 2.4 (triton-lang/triton#9171, fixed upstream
-    by taking ``.item()``): apply that fix while these tests run under the interpreter."""
-    if os.environ.get("TRITON_INTERPRET") != "1" or np.lib.NumpyVersion(np.__version__) < "2.4.0":
-        yield
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-        yield
 
 
 # ---- checks shared by the CPU (interpreter) and GPU tests ----
