@@ -14,7 +14,7 @@ from modeserve.engine.models.model_config import ModelConfig
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":
-        sync(device)
+        torch.cuda.synchronize(device)
 
 
 def device_name(device: torch.device) -> str:

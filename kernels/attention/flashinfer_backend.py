@@ -21,11 +21,14 @@ def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0) -> tupl
     """CSR page table of the batch, built on the host from the slot table's page mirror:
     (indptr [B+1] int32, indices [P] int32, last_page_len [B] int32). With ``pad_to`` > B, rows
     B..pad_to-1 are one-token rows on the reserved page 0 (padding of a CUDA-graph bucket)."""
-    assert inputs.req_to_page_cpu is not None and inputs.req_pool_indices_cpu is not None
     seq = np.asarray(inputs.seq_lens_cpu, dtype=np.int64)  # [B]
     num_pages = (seq + page_size - 1) // page_size  # [B]
     max_pages = int(num_pages.max()) if len(seq) else 0
-    table = inputs.req_to_page_cpu[inputs.req_pool_indices_cpu, :max_pages]  # [B, Pmax]
+    if inputs.req_to_page_cpu is not None and inputs.req_pool_indices_cpu is not None:
+        table = inputs.req_to_page_cpu[inputs.req_pool_indices_cpu, :max_pages]  # [B, Pmax]
+    else:  # a caller without host copies (kernel tests): read the device table, which waits for it
+        rows = inputs.req_to_token[inputs.req_pool_indices, : max_pages * page_size : page_size]
+        table = (rows // page_size).cpu().numpy()
     indices = table[np.arange(max_pages)[None, :] < num_pages[:, None]]  # [P], row-major = request order
     indptr = np.zeros(len(seq) + 1, dtype=np.int32)
     np.cumsum(num_pages, out=indptr[1:])
