@@ -138,9 +138,10 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     qkv = torch.randn(len(seq), num_heads + 8, head_dim, generator=g)
     q = qkv[:, 4 : 4 + num_heads]  # a strided view, as from a fused projection
     scale = 1 / math.sqrt(head_dim)
+    table = req_to_token.to(device)  # the kernel follows the table's address: it must live on the device
     out = decode_attention(
         q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
-        table_ref(req_to_token).to(device), torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
+        table_ref(table).to(device), torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
         torch.tensor(seq, device=device), scale, window, num_kv_splits)
     group = num_heads // num_kv_heads
     for r, s in enumerate(seq):
