@@ -15,6 +15,7 @@ stride, stored in device memory): a captured graph then follows whichever table 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -118,6 +119,8 @@ def table_ref(req_to_token: torch.Tensor) -> torch.Tensor:
     """[2] int64 on the host: (address, row stride) of ``req_to_token`` [max_reqs, max_context] int64."""
     if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be int64 with contiguous rows")
+    if req_to_token.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("req_to_token must be on the device the kernel runs on (its address is followed)")
     return torch.tensor([req_to_token.data_ptr(), req_to_token.stride(0)], dtype=torch.int64)
 
 
