@@ -15,7 +15,7 @@ from tests.engine.tiny_models import COMMON, load_reference, make_tiny_model, mi
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-SCHED = dict(chunked_prefill_size=16, enable_mixed=True, max_prefill_ratio=0.9)
+SCHED = dict(chunked_prefill_size=16, enable_mixed=True, max_prefill_ratio=0.9, max_running_requests=16)  # 16: few graphs
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "mistral-window"])
