@@ -50,6 +50,9 @@ class ForwardBatch:
     admissions: tuple[ReqAdmission, ...] = ()
     slot_updates: tuple[SlotUpdate, ...] = ()
     step: int = 0
+    # DP lockstep: 0 = the engine chooses; > 0 = replay the CUDA graph of at least this many rows (all
+    # ranks pad to one bucket, an IDLE rank replays padding only); -1 = eager (a rank cannot use a graph)
+    padded_batch_size: int = 0
 
     @property
     def batch_size(self) -> int:

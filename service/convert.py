@@ -92,6 +92,7 @@ def _sampling_from_proto(s: forward_pb2.SlotSampling, field: str) -> SamplingPar
 def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
     return forward_pb2.ForwardBatch(
         step=b.step,
+        padded_batch_size=b.padded_batch_size,
         forward_mode=int(b.forward_mode),
         req_pool_indices=_pack(b.req_pool_indices, _I64),
         prefix_lens=_pack(b.prefix_lens, _I64),
@@ -214,6 +215,8 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
     loc = _unpack(m.out_cache_loc, _I64, "out_cache_loc")
     _check_requests(req_pool, prefix, ext, mask, limits)
     _check_tokens(prefix, ext, ids, pos, loc, limits)
+    if not -1 <= m.padded_batch_size <= limits.max_reqs:
+        raise ValueError(f"padded_batch_size = {m.padded_batch_size} is outside [-1, {limits.max_reqs}]")
     return ForwardBatch(
         forward_mode=mode,
         req_pool_indices=req_pool,
@@ -226,6 +229,7 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
         admissions=_admissions_from_proto(m, limits),
         slot_updates=_slot_updates_from_proto(m, limits),
         step=m.step,
+        padded_batch_size=m.padded_batch_size,
     )
 
 

@@ -10,14 +10,18 @@ network or the scheduler.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
+from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
+from modeserve.service.lockstep import LockstepGroup, StepOffer
 from modeserve.service.transport import EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -48,33 +52,54 @@ class EngineLoop:
     OVERLAP_DEPTH = 3
 
     def __init__(self, scheduler: Scheduler, transport: EngineTransport, overlap: bool = True,
-                 max_queued_requests: int = 1024, name: str = "engine") -> None:
+                 max_queued_requests: int = 1024, name: str = "engine",
+                 on_failure: Callable[[EngineLoop, list[RequestHandle]], None] | None = None,
+                 lockstep: LockstepGroup | None = None, graph_batch_sizes: Sequence[int] = ()) -> None:
         self.scheduler = scheduler
         self.transport = transport
+        self.name = name
         self.depth = self.OVERLAP_DEPTH if overlap else 1
         self.max_queued_requests = max_queued_requests
+        self.on_failure = on_failure
+        self.lockstep = lockstep
+        self.graph_batch_sizes = sorted(graph_batch_sizes)
+        self.error: str | None = None
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._wake = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the inbox, the handles and the load counter
+        self._sched_lock = threading.Lock()  # the loop thread holds it while it touches the scheduler
         self._handles: dict[str, RequestHandle] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------
     def start(self) -> None:
+        if self.lockstep is not None:
+            self.lockstep.join(self.name)
         self._thread.start()
 
     def make_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Req:
-        with self._lock:  # validation reads config; the seed draw uses the scheduler's rng
+        with self._sched_lock:  # validation reads config; the seed draw uses the scheduler's rng
             return self.scheduler.make_request(rid, prompt_ids, sampling)
 
     def submit(self, req: Req) -> RequestHandle:
+        return self._adopt(RequestHandle(req), check_capacity=True)
+
+    def resume(self, handle: RequestHandle) -> None:
+        """Continue another rank's request here: its delivered tokens are recomputed (like a
+        preempted request), then generation goes on into the same handle; nothing is sent twice."""
+        handle.req = continuation(handle.req)
+        self._adopt(handle, check_capacity=False)
+
+    def _adopt(self, handle: RequestHandle, check_capacity: bool) -> RequestHandle:
+        req = handle.req
         with self._lock:
-            if len(self._handles) >= self.max_queued_requests:
+            if self._stopped:
+                raise QueueFullError(f"engine {self.name} is stopped")
+            if check_capacity and len(self._handles) >= self.max_queued_requests:
                 raise QueueFullError(f"{len(self._handles)} requests in flight (max {self.max_queued_requests})")
             if req.rid in self._handles:
                 raise ValueError(f"request_id {req.rid!r} is already in flight")
-            handle = RequestHandle(req)
             self._handles[req.rid] = handle
             self._inbox.append(("add", req))
         self._wake.set()
@@ -90,11 +115,37 @@ class EngineLoop:
         with self._lock:
             return len(self._handles)
 
+    @property
+    def load_tokens(self) -> int:
+        """Prompt + generated tokens of the requests queued or running here (dispatch weighs it)."""
+        with self._lock:
+            return sum(h.req.fill_len for h in self._handles.values())
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` this rank's prefix cache holds now (exact: read under the lock)."""
+        with self._sched_lock:
+            return self.scheduler.kv.cached_prefix_len(token_ids)
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        if self.lockstep is not None:
+            self.lockstep.leave(self.name)
         self.transport.close()
+
+    def evict(self) -> list[RequestHandle]:
+        """Stop this rank and hand over what it still had (to resume elsewhere)."""
+        self.stop()
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+        return handles
 
     # ---- loop thread ----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -113,35 +164,100 @@ class EngineLoop:
                  logprobs: tuple[float, ...] = ()) -> None:
         with self._lock:
             handle = self._handles.get(req.rid)
-            if handle is None:
+            if handle is None or handle.req is not req:
                 return
             if finish_reason is not None:
                 del self._handles[req.rid]
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
+    def _process(self, step: ScheduledStep, result: ForwardResult) -> None:
+        for ev in self.scheduler.process_result(step, result):
+            lp = (ev.req.output_logprobs[-1],) if ev.req.output_logprobs else ()
+            self._deliver(ev.req, ev.new_token_ids, ev.req.finish_reason if ev.finished else None, lp)
+
     def _run(self) -> None:
-        in_flight: collections.deque[ScheduledStep] = collections.deque()
         try:
-            while not self._stopped:
+            if self.lockstep is None:
+                self._run_free()
+            else:
+                self._run_lockstep(self.lockstep)
+        except Exception as exc:  # the engine is gone: its requests continue elsewhere, or end
+            logger.exception("engine loop %s failed: %s", self.name, exc)
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _run_free(self) -> None:
+        in_flight: collections.deque[ScheduledStep] = collections.deque()
+        while not self._stopped:
+            with self._sched_lock:
                 self._drain_inbox()
-                if len(in_flight) < self.depth:
-                    step = self.scheduler.schedule()
-                    if step is not None:
-                        self.transport.submit(step.batch)
-                        in_flight.append(step)
-                        continue
-                if not in_flight:
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
+                step = self.scheduler.schedule() if len(in_flight) < self.depth else None
+                if step is not None:
+                    self.transport.submit(step.batch)
+                    in_flight.append(step)
                     continue
-                step = in_flight.popleft()
-                for ev in self.scheduler.process_result(step, self.transport.receive()):
-                    lp = (ev.req.output_logprobs[-1],) if ev.req.output_logprobs else ()
-                    self._deliver(ev.req, ev.new_token_ids, ev.req.finish_reason if ev.finished else None, lp)
-        except Exception as exc:  # the engine is gone: fail every request rather than hang
-            logger.exception("engine loop failed: %s", exc)
-            with self._lock:
-                handles = list(self._handles.values())
-                self._handles.clear()
-            for h in handles:
-                h.updates.put(TokenUpdate((), "abort"))
+            if not in_flight:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            result = self.transport.receive()
+            with self._sched_lock:
+                self._process(in_flight.popleft(), result)
+
+    def _run_lockstep(self, group: LockstepGroup) -> None:
+        """One step at a time, agreed with the other ranks: a rank without work runs IDLE, and a
+        CUDA-graph step is padded to the bucket every rank replays."""
+        while not self._stopped:
+            with self._sched_lock:
+                self._drain_inbox()
+                step = self.scheduler.schedule()
+            agreement = None
+            offer = StepOffer(step is not None, self._graph_rows(step))
+            while agreement is None and not self._stopped:
+                agreement = group.exchange(self.name, offer)
+            if agreement is None:
+                return
+            if not agreement.any_work:
+                self._wake.wait(timeout=0.02)
+                self._wake.clear()
+                continue
+            with self._sched_lock:
+                if step is None:
+                    step = self.scheduler.schedule(idle_if_empty=True)
+                    assert step is not None
+            self.transport.submit(dataclasses.replace(step.batch, padded_batch_size=agreement.padded_batch_size))
+            result = self.transport.receive()
+            with self._sched_lock:
+                self._process(step, result)
+
+    def _graph_rows(self, step: ScheduledStep | None) -> int:
+        """Rows this step would replay in a CUDA graph (0 when idle), -1 if it runs eagerly."""
+        if step is None:
+            return 0
+        batch = step.batch
+        if not batch.forward_mode.traits.uses_cuda_graph or not self.graph_batch_sizes:
+            return -1
+        return batch.batch_size if batch.batch_size <= self.graph_batch_sizes[-1] else -1
+
+    def _fail(self, error: str) -> None:
+        self.error = error
+        if self.lockstep is not None:
+            self.lockstep.leave(self.name)
+        with self._lock:
+            self._stopped = True
+            handles = list(self._handles.values())
+            self._handles.clear()
+        if self.on_failure is not None:
+            self.on_failure(self, handles)
+            return
+        for h in handles:
+            h.updates.put(TokenUpdate((), "abort"))
+
+
+def continuation(old: Req) -> Req:
+    """A fresh request that carries on ``old`` on another scheduler: prompt, sampling and seed as
+    before, the tokens already delivered as outputs to recompute (placeholders of lost steps dropped)."""
+    known = old.num_known - len(old.prompt_ids)
+    return Req(rid=old.rid, prompt_ids=old.prompt_ids, sampling=old.sampling, seed=old.seed,
+               output_ids=old.output_ids[:known], num_retractions=old.num_retractions + 1,
+               num_cached_prompt_tokens=old.num_cached_prompt_tokens,
+               output_logprobs=old.output_logprobs[:known], output_top_logprobs=old.output_top_logprobs[:known])

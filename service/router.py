@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import uuid
@@ -12,7 +11,8 @@ import grpc
 
 from modeserve.engine.tokenizer import Tokenizer
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
-from modeserve.service.engine_loop import EngineLoop, QueueFullError, RequestHandle
+from modeserve.service.engine_loop import QueueFullError, RequestHandle
+from modeserve.service.rank_table import RankTable
 from modeserve.service.request_params import RequestLimits, check_prompt_shape, sampling_from_proto
 from modeserve.service.text_stream import TextStream
 
@@ -22,21 +22,13 @@ GENERATE_SERVICE = "modeserve.v1.Generate"
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, tokenizer: Tokenizer | None, loops: Sequence[EngineLoop], limits: RequestLimits,
+    def __init__(self, tokenizer: Tokenizer | None, table: RankTable, limits: RequestLimits,
                  model_name: str, eos_token_ids: Sequence[int]) -> None:
-        if not loops:
-            raise ValueError("the router needs at least one engine")
         self.tokenizer = tokenizer
-        self.loops = list(loops)
+        self.table = table
         self.limits = limits
         self.model_name = model_name
         self.eos_token_ids = list(eos_token_ids)
-        self._rr = itertools.count()
-
-    def _pick_loop(self) -> EngineLoop:
-        start = next(self._rr)
-        order = self.loops[start % len(self.loops):] + self.loops[: start % len(self.loops)]
-        return min(order, key=lambda lp: lp.num_requests)
 
     def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         check_prompt_shape(request, self.limits)
@@ -54,17 +46,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def Generate(self, request: generate_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
-        loop = self._pick_loop()
         try:
             sampling = sampling_from_proto(request.sampling, self.limits)
             prompt_ids = self._prompt_ids(request)
+            loop = self.table.dispatcher.choose(self.table.ready_loops(), prompt_ids)
             req = loop.make_request(rid, prompt_ids, sampling)
             handle = loop.submit(req)
+        except LookupError as exc:  # no rank ready
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        context.add_callback(lambda: loop.abort(rid))  # client cancel or deadline: free its KV
+        context.add_callback(lambda: self.table.abort(rid))  # client cancel or deadline: free its KV
         yield from self._stream(rid, handle, sampling.stop, context)
 
     def _stream(self, rid: str, handle: RequestHandle, stop: Sequence[str],
@@ -109,5 +103,5 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def ModelInfo(self, request: generate_pb2.ModelInfoRequest,
                   context: grpc.ServicerContext) -> generate_pb2.ModelInfoResponse:
         return generate_pb2.ModelInfoResponse(model=self.model_name, context_length=self.limits.max_context,
-                                              vocab_size=self.limits.vocab_size, num_ranks=len(self.loops),
+                                              vocab_size=self.limits.vocab_size, num_ranks=len(self.table.ready_loops()),
                                               eos_token_ids=self.eos_token_ids)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from modeserve.engine.tokenizer import Tokenizer
-from modeserve.proto.v1 import generate_pb2_grpc
-from modeserve.service.engine_loop import EngineLoop
+from modeserve.proto.v1 import admin_pb2_grpc, generate_pb2_grpc
+from modeserve.service.admin import ADMIN_SERVICE, AdminServicer
+from modeserve.service.dispatch import Dispatcher
+from modeserve.service.engine_loop import EngineLoop, RequestHandle
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
+from modeserve.service.rank_table import RankSpec, RankTable
 from modeserve.service.request_params import RequestLimits
 from modeserve.service.router import GENERATE_SERVICE, GenerateServicer
 
@@ -17,16 +20,19 @@ from modeserve.service.router import GENERATE_SERVICE, GenerateServicer
 class RouterApp:
     server: GrpcServer
     servicer: GenerateServicer
-    loops: list[EngineLoop]
+    table: RankTable
 
     @property
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def loops(self) -> list[EngineLoop]:
+        return self.table.all_loops()
+
     def stop(self, grace: float = 5.0) -> None:
         self.server.shutdown(grace).wait()
-        for loop in self.loops:
-            loop.stop()
+        self.table.close()
 
 
 def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
@@ -35,20 +41,22 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
 
     print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
     code = serve_until_signal(app.server, grace)
-    for loop in app.loops:
-        loop.stop()
+    app.table.close()
     return code
 
 
-def start_router(address: str, loops: Sequence[EngineLoop], tokenizer: Tokenizer | None, limits: RequestLimits,
+def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, limits: RequestLimits,
                  model_name: str, eos_token_ids: Sequence[int]) -> RouterApp:
-    servicer = GenerateServicer(tokenizer, loops, limits, model_name, eos_token_ids)
-    for loop in loops:
-        loop.start()
+    """Serve Generate (and Admin, over the same table) on ``address``."""
+    servicer = GenerateServicer(tokenizer, table, limits, model_name, eos_token_ids)
+    admin = AdminServicer(table)
     server = create_grpc_server(
-        address, [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s)], [GENERATE_SERVICE]
+        address,
+        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
+         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
+        [GENERATE_SERVICE, ADMIN_SERVICE],
     )
-    return RouterApp(server, servicer, list(loops))
+    return RouterApp(server, servicer, table)
 
 
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
@@ -58,8 +66,16 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
     from modeserve.service.transport import InProcessTransport
 
     llm = LLM(model=model, **engine_kwargs)
-    loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
-                      max_queued_requests=max_queued_requests, name="rank0")
+
+    def connect(rank: int, address: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
+        loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
+                          max_queued_requests=max_queued_requests, name=f"rank{rank}", on_failure=on_failure)
+        loop.start()
+        return loop
+
+    table = RankTable(connect, Dispatcher())
+    table.set_ranks([RankSpec(0, "in-process")])
+    table.wait_ready(60)
     limits = RequestLimits(
         max_context=llm.runner.max_context,
         vocab_size=llm.model_config.vocab_size,
@@ -67,4 +83,4 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
         max_prompt_chars=64 * llm.runner.max_context,
     )
     eos = llm.scheduler.stop.eos_token_ids
-    return start_router(address, [loop], llm.tokenizer, limits, llm.model_config.name, sorted(eos))
+    return start_router(address, table, llm.tokenizer, limits, llm.model_config.name, sorted(eos))

@@ -17,7 +17,10 @@ from modeserve.engine.scheduler.scheduler import Scheduler
 from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from modeserve.service.engine_args import add_engine_args, engine_kwargs
-from modeserve.service.engine_loop import EngineLoop
+from modeserve.service.dispatch import POLICIES, Dispatcher
+from modeserve.service.engine_loop import EngineLoop, RequestHandle
+from modeserve.service.lockstep import LockstepGroup
+from modeserve.service.rank_table import RankSpec, RankTable
 from modeserve.service.grpc_common import MAX_MESSAGE_BYTES
 from modeserve.service.request_params import RequestLimits
 from modeserve.service.router_app import RouterApp, start_router
@@ -34,6 +37,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--grace-period", type=float, default=30.0)
     p.add_argument("--engine-wait", type=float, default=120.0, help="seconds to wait for engines to be SERVING")
+    p.add_argument("--dispatch", choices=POLICIES, default="prefix",
+                   help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
+    p.add_argument("--dp-lockstep", action="store_true",
+                   help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
     p.set_defaults(func=run)
 
@@ -63,7 +70,9 @@ def describe_engine(address: str, wait: float) -> tuple[grpc.Channel, engine_pb2
 
 def engine_loop(address: str, channel: grpc.Channel, desc: engine_pb2.EngineDescription,
                 sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
-                decode: Callable[[list[int]], str] | None = None) -> EngineLoop:
+                decode: Callable[[list[int]], str] | None = None,
+                on_failure: Callable[[EngineLoop, list[RequestHandle]], None] | None = None,
+                lockstep: LockstepGroup | None = None) -> EngineLoop:
     """A scheduler sized by the engine's description, driving it over one Forward stream."""
     cfg = dataclasses.replace(sched_cfg, max_running_requests=min(sched_cfg.max_running_requests,
                                                                   desc.max_running_requests))
@@ -71,7 +80,8 @@ def engine_loop(address: str, channel: grpc.Channel, desc: engine_pb2.EngineDesc
                           max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                           eos_token_ids=tuple(desc.eos_token_ids), decode=decode)
     return EngineLoop(scheduler, GrpcTransport(channel), overlap=overlap, max_queued_requests=max_queued,
-                      name=address)
+                      name=address, on_failure=on_failure, lockstep=lockstep,
+                      graph_batch_sizes=list(desc.cuda_graph_batch_sizes))
 
 
 def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
@@ -80,18 +90,43 @@ def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_
     return engine_loop(address, channel, desc, sched_cfg, overlap, max_queued)
 
 
+def engine_healthy(address: str, timeout: float = 2.0) -> bool:
+    """One health check of an engine's Engine service."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="modeserve.v1.Engine"), timeout=timeout).status
+        except grpc.RpcError:
+            return False
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
 def start_remote_router(address: str, engines: list[str], model: str | None, sched_cfg: SchedulerConfig,
-                        overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0) -> RouterApp:
-    described = [describe_engine(e, wait) for e in engines]
-    desc = described[0][1]
+                        overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0,
+                        dispatch: str = "prefix", lockstep: bool = False,
+                        health_interval: float = 1.0) -> RouterApp:
+    """Router over remote engines; rank i is ``engines[i]`` (more may join through Admin/SetRanks)."""
+    _, desc = describe_engine(engines[0], wait)  # the model's facts: tokenizer, limits
     source = model or (desc.model_path if Path(desc.model_path).exists() else None)
     tokenizer: Tokenizer | None = load_tokenizer(source) if source else None
     decode = tokenizer.decode if tokenizer is not None else None
-    loops = [engine_loop(e, ch, d, sched_cfg, overlap, max_queued_requests, decode)
-             for e, (ch, d) in zip(engines, described)]
+    group = LockstepGroup() if lockstep else None
+
+    def connect(rank: int, addr: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
+        channel, d = describe_engine(addr, wait)
+        if d.model != desc.model or d.vocab_size != desc.vocab_size:
+            raise ValueError(f"engine {addr} serves {d.model!r}, the router serves {desc.model!r}")
+        loop = engine_loop(addr, channel, d, sched_cfg, overlap and not lockstep, max_queued_requests, decode,
+                           on_failure, group)
+        loop.start()
+        return loop
+
+    table = RankTable(connect, Dispatcher(dispatch), health=engine_healthy, health_interval=health_interval)
+    table.set_ranks([RankSpec(i, e) for i, e in enumerate(engines)])
+    table.wait_ready(wait + 30)
     limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
-    return start_router(address, loops, tokenizer, limits, desc.model, list(desc.eos_token_ids))
+    return start_router(address, table, tokenizer, limits, desc.model, list(desc.eos_token_ids))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,5 +135,5 @@ def run(args: argparse.Namespace) -> int:
 
     app = start_remote_router(grpc_address(args.host, args.port), [e for e in args.engines.split(",") if e],
                               args.model, SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), args.overlap,
-                              args.max_queued_requests, args.engine_wait)
+                              args.max_queued_requests, args.engine_wait, args.dispatch, args.dp_lockstep)
     return serve_app(app, "router", args.host, args.grace_period)

@@ -115,6 +115,8 @@ class ModelRunner:
         for upd in batch.slot_updates:
             self.slots.update(upd)
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
+            if batch.padded_batch_size > 0 and self.graphs is not None:
+                self._replay_padding_only(batch)  # lockstep: the other ranks replay this bucket too
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
         rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         sample_idx_np = (np.cumsum(batch.extend_lens) - 1)[batch.sample_mask]  # [S]
@@ -135,7 +137,9 @@ class ModelRunner:
             req_pool_indices_cpu=batch.req_pool_indices,
             req_to_page_cpu=self.slots.req_to_page,
         )
-        bucket = self.graphs.bucket_for(batch.forward_mode, batch.batch_size) if self.graphs else None
+        bucket = None
+        if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
+            bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:
             assert self.graphs is not None
             self.graphs.prepare(inputs, input_ids, positions, bucket)
@@ -145,6 +149,21 @@ class ModelRunner:
         self._mark_inputs_consumed()
         hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
         return self.model.compute_logits(hidden[sample_idx])
+
+    def _replay_padding_only(self, batch: ForwardBatch) -> None:
+        """An IDLE rank in lockstep replays the bucket the others use, with padding rows only."""
+        assert self.graphs is not None
+        bucket = self.graphs.bucket_for(ForwardMode.DECODE, batch.padded_batch_size)
+        if bucket is None:
+            return
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        inputs = AttentionInputs(forward_mode=ForwardMode.IDLE, req_pool_indices=empty, prefix_lens_cpu=[],
+                                 extend_lens_cpu=[], seq_lens=empty, out_cache_loc=empty,
+                                 req_to_token=self.slots.req_to_token, dtype=self.dtype,
+                                 req_pool_indices_cpu=np.zeros(0, dtype=np.int64),
+                                 req_to_page_cpu=self.slots.req_to_page)
+        self.graphs.prepare(inputs, empty, empty, bucket)
+        self.graphs.replay(bucket, 0)
 
     def _mark_inputs_consumed(self) -> None:
         if self.device.type == "cuda":

@@ -5,6 +5,8 @@ Owns the page pool and (optionally) the radix prefix cache; never touches KV mem
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from modeserve.engine.forward_batch import SlotUpdate
@@ -27,6 +29,10 @@ class KVManager:
     def num_available_pages(self) -> int:
         evictable = self.cache.num_evictable_pages if self.cache is not None else 0
         return self.pool.num_free_pages + evictable
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` the prefix cache could serve now (read-only)."""
+        return self.cache.peek_prefix_len(token_ids) if self.cache is not None else 0
 
     def match_prefix(self, req: Req) -> int:
         """Borrow the longest cached prefix of ``req`` (leaving >= 1 token to compute); returns its length."""

@@ -114,6 +114,23 @@ class RadixCache:
         self.num_hit_tokens += pos
         return PrefixMatch(kv, node)
 
+    def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Length of the longest cached page-aligned prefix, without touching the tree (no split,
+        no LRU update): what a router asks when it chooses where a request goes."""
+        tokens, ps = list(token_ids), self._ps
+        end = len(tokens) // ps * ps
+        node, pos = self._root, 0
+        while pos < end:
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            n = self._common_len(child.key, tokens, pos, end)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def _walk(self, tokens: list[int], end: int, kv: list[int] | None) -> tuple[RadixNode, int]:
         """Follow ``tokens[:end]`` down the tree (splitting the last node at the match end), touch
         every node passed; returns the deepest node and the matched length; collects slots into kv."""
