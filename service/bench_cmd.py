@@ -36,6 +36,14 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("--threads", type=int, default=1,
                      help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
     srv.set_defaults(func=run_serving)
+    dp = kinds.add_parser("dp", help="output tokens/s through one router over 1, 2, 4 CPU engine processes")
+    dp.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")
+    dp.add_argument("--shape", default="tiny")
+    dp.add_argument("--engines", default="1,2,4", help="engine process counts to compare")
+    dp.add_argument("--num-prompts", type=int, default=64)
+    dp.add_argument("--prompt-len", type=int, default=32)
+    dp.add_argument("--new-tokens", type=int, default=64)
+    dp.set_defaults(func=run_dp)
     lat = kinds.add_parser("latency", help="one batch on random weights of a named shape vs the roofline (GPU)")
     _gpu_bench_args(lat)
     lat.add_argument("--batch-size", type=int, default=1)
@@ -69,6 +77,13 @@ def _gpu_bench_args(p: argparse.ArgumentParser) -> None:
 
 def run_latency(args: argparse.Namespace) -> int:
     from modeserve.service.bench_latency import run
+
+    print(json.dumps(run(args)))
+    return 0
+
+
+def run_dp(args: argparse.Namespace) -> int:
+    from modeserve.service.bench_dp import run
 
     print(json.dumps(run(args)))
     return 0

@@ -48,7 +48,7 @@ def _local_loop(model: str, overlap: bool, engine_args: dict[str, Any]) -> Engin
     return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap, name="local")
 
 
-def _remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
+def remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "engine", "--model", model,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine_args = {"page_size": 16, "max_running_requests": max(batch_sizes)}
     torch.set_num_threads(args.threads)  # the in-process engines; the remote one gets the same
-    remote = _remote_engine(model, engine_args, args.threads)
+    remote = remote_engine(model, engine_args, args.threads)
     address = next(remote)
     loops: dict[tuple[str, bool], EngineLoop] = {}
     for overlap in (False, True):

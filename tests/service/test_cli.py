@@ -46,3 +46,27 @@ def test_bench_serving_prints_json_with_ratios() -> None:
         (t, o, b) for t in ("inprocess", "grpc") for o in (False, True) for b in (1, 2)}
     assert all(r["us_per_decode_step"] > 0 for r in result["results"])
     assert set(result["ratios"]) == {"bs1", "bs2"}
+
+
+def test_bench_dp_prints_scaling_json() -> None:
+    proc = modeserve("bench", "dp", "--engines", "1,2", "--num-prompts", "8", "--new-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result["output_tokens_per_s"]) == {"1", "2"} and all(v > 0 for v in result["output_tokens_per_s"].values())
+    assert result["scaling_vs_1"]["1"] == 1.0 and result["ideal_scaling"]["2"] == min(2, result["cpu_cores"])
+
+
+def test_gpu_benches_run_on_cpu_with_limits_and_baseline() -> None:
+    """``bench latency`` / ``bench throughput`` on a tiny shape on CPU: every figure comes with its
+    measured limit and the transformers peer (the H200 figures come from .ci/gpu-bench)."""
+    lat = modeserve("bench", "latency", "--shape", "tiny", "--device", "cpu", "--input-len", "16", "--output-len", "6",
+                    "--baseline", "transformers", "--baseline-output-len", "4")
+    assert lat.returncode == 0, lat.stderr
+    r = json.loads(lat.stdout.strip().splitlines()[-1])
+    assert 0 < r["decode_roofline_ratio"] and 0 < r["prefill_matmul_ratio"] and r["measured_copy_bandwidth_tb_s"] > 0
+    assert r["transformers"]["decode_step_ms"] > 0 and r["decode_speedup_vs_transformers"] > 0
+    thr = modeserve("bench", "throughput", "--shape", "tiny", "--device", "cpu", "--num-prompts", "6", "--input-len",
+                    "16", "--output-len", "5", "--max-running-requests", "4")
+    assert thr.returncode == 0, thr.stderr
+    t = json.loads(thr.stdout.strip().splitlines()[-1])
+    assert t["output_tokens_per_s"] > 0 and 0 < t["roofline_ratio"] and t["steps_by_mode"]["DECODE"] >= 4

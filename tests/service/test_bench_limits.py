@@ -1,0 +1,28 @@
+"""The roofline model the GPU benchmarks divide by, checked against the Llama 3.1 8B arithmetic done
+by hand from its published shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modeserve.engine.models.llama import LlamaForCausalLM
+from modeserve.engine.models.model_config import parse_model_config
+from modeserve.engine.models.random_checkpoint import PRESETS
+from modeserve.service.bench_limits import Roofline
+
+
+def test_llama_8b_roofline_by_hand() -> None:
+    mc = parse_model_config(PRESETS["llama-3.1-8b"])
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(mc).parameters())
+    roof = Roofline(mc, params, 2, kv_bytes_per_token=2 * 32 * 8 * 128 * 2, bandwidth=4e12, flops=8e14)
+    h, i, v, kv = 4096, 14336, 128256, 1024
+    per_layer = h * h + 2 * kv * h + h * h + 3 * h * i  # q, k+v, o, gate+up+down
+    assert roof.matmul_params == pytest.approx(32 * per_layer + v * h, rel=1e-4)  # + LM head; embedding is a lookup
+    ctx = [1000, 3000]
+    assert roof.decode_step_bytes(ctx) == pytest.approx(2 * (32 * per_layer + v * h) + 131072 * 4000, rel=1e-4)
+    assert roof.decode_step_seconds(ctx) == pytest.approx(roof.decode_step_bytes(ctx) / 4e12)  # bandwidth-bound
+    n = 4096
+    by_hand = 2 * 32 * per_layer * n + 2 * 2 * 32 * 32 * 128 * n * (n + 1) / 2 + 2 * v * h
+    assert roof.prefill_flops([n]) == pytest.approx(by_hand, rel=1e-4)
