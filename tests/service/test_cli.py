@@ -60,11 +60,13 @@ def test_gpu_benches_run_on_cpu_with_limits_and_baseline() -> None:
     """``bench latency`` / ``bench throughput`` on a tiny shape on CPU: every figure comes with its
     measured limit and the transformers peer (the H200 figures come from .ci/gpu-bench)."""
     lat = modeserve("bench", "latency", "--shape", "tiny", "--device", "cpu", "--input-len", "16", "--output-len", "6",
-                    "--baseline", "transformers", "--baseline-output-len", "4")
+                    "--baseline", "transformers", "--baseline-output-len", "4", "--profile-steps", "3")
     assert lat.returncode == 0, lat.stderr
     r = json.loads(lat.stdout.strip().splitlines()[-1])
     assert 0 < r["decode_roofline_ratio"] and 0 < r["prefill_matmul_ratio"] and r["measured_copy_bandwidth_tb_s"] > 0
     assert r["transformers"]["decode_step_ms"] > 0 and r["decode_speedup_vs_transformers"] > 0
+    names = [k["name"] for k in r["decode_profile"]["top_kernels"]]
+    assert any("linear" in n or "addmm" in n or "mm" in n for n in names), names
     thr = modeserve("bench", "throughput", "--shape", "tiny", "--device", "cpu", "--num-prompts", "6", "--input-len",
                     "16", "--output-len", "5", "--max-running-requests", "4")
     assert thr.returncode == 0, thr.stderr
