@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from modeserve.service import bench_cmd, client, engine_cmd, generate_cmd, router_cmd, serve_cmd
+from modeserve.service import bench_cmd, client, drain_cmd, engine_cmd, generate_cmd, router_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cmd.add_parser(sub)
     client.add_parser(sub)
     engine_cmd.add_parser(sub)
+    drain_cmd.add_parser(sub)
     return parser
 
 

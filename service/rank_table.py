@@ -72,10 +72,8 @@ class RankTable:
         self._lock = threading.Lock()
         self._ranks: dict[int, Rank] = {}
         self._closed = threading.Event()
-        self._watcher: threading.Thread | None = None
-        if health is not None:
-            self._watcher = threading.Thread(target=self._watch_health, name="rank-health", daemon=True)
-            self._watcher.start()
+        self._watcher = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._watcher.start()
 
     # ---- changes ------------------------------------------------------------------------------
     def set_ranks(self, specs: Sequence[RankSpec]) -> None:
@@ -100,8 +98,11 @@ class RankTable:
                 rank.draining_requested = spec.draining
                 if spec.draining and rank.state == RankState.READY:
                     rank.state = RankState.DRAINING
-                elif not spec.draining and rank.state in (RankState.DRAINING, RankState.DRAINED):
+                elif not spec.draining and rank.state == RankState.DRAINING:
                     rank.state = RankState.READY
+                elif not spec.draining and rank.state == RankState.DRAINED:  # its stream was closed: rejoin
+                    rank.state, rank.loop = RankState.JOINING, None
+                    joining.append(rank)
         for rank in removed:
             self._remove(rank)
         for rank in joining:
@@ -176,18 +177,26 @@ class RankTable:
             requests = loop.num_requests if loop is not None else 0
             state = r.state
             if state == RankState.DRAINING and requests == 0:
-                state = RankState.DRAINED
+                state = RankState.DRAINED  # the watcher closes its stream on its next round
             hits = loop.scheduler.stats.num_prefix_hit_tokens if loop is not None else 0
             out.append(RankStatus(r.rank, r.address, state, requests, loop.load_tokens if loop else 0, hits, r.error))
         return out
 
-    # ---- health -------------------------------------------------------------------------------
-    def _watch_health(self) -> None:
-        assert self._health is not None
+    # ---- watch --------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Each interval: close the stream of a drained rank (so its engine sees no stream and can
+        stop), and check the health of the others."""
         misses: dict[int, int] = {}
         while not self._closed.wait(self._health_interval):
             for rank in self.ranks():
-                if rank.loop is None or rank.state in (RankState.JOINING, RankState.GONE):
+                if rank.loop is None or rank.state in (RankState.JOINING, RankState.GONE, RankState.DRAINED):
+                    continue
+                if rank.state == RankState.DRAINING and rank.loop.num_requests == 0:
+                    with self._lock:
+                        rank.state = RankState.DRAINED
+                    rank.loop.stop()
+                    continue
+                if self._health is None:
                     continue
                 ok = self._health(rank.address)
                 misses[rank.rank] = 0 if ok else misses.get(rank.rank, 0) + 1

@@ -17,6 +17,7 @@ import pytest
 from modeserve.engine.config import SchedulerConfig
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.client import Completion, GenerateClient
+from modeserve.service.drain_cmd import drain
 from modeserve.service.rank_table import RankState
 from modeserve.service.router_app import RouterApp
 from modeserve.service.router_cmd import start_remote_router
@@ -139,6 +140,9 @@ def test_drain_finishes_running_then_reports_drained(router_over: Callable, tiny
     assert [o.token_ids for o in new_outs] == reference(tiny_model, later, 4)
     final = stub.GetRanks(admin_pb2.GetRanksRequest())
     assert [r.state for r in final.ranks] == [admin_pb2.RANK_STATE_READY, admin_pb2.RANK_STATE_DRAINED]
+    # the router closes its stream to the drained rank: the engine's own drain (its pod's preStop) completes
+    assert drain(procs[1][1], timeout=10)
+    assert not drain(procs[0][1], timeout=1)  # the ready rank still has the router's stream
 
 
 def test_rank_added_at_run_time_takes_traffic(router_over: Callable, tiny_model: Path) -> None:

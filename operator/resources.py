@@ -1,0 +1,222 @@
+"""The Kubernetes objects one EngineSet owns, as plain dicts built from its spec (pure functions).
+
+Per EngineSet ``NAME``: a StatefulSet ``NAME-engine`` (one pod per DP rank, rank = pod index), its
+headless Service ``NAME-engine`` (stable pod DNS for the router), a router Deployment ``NAME-router``
+and the client-facing Service ``NAME`` (Generate + Admin on 50051, metrics on 9090). All carry an
+owner reference to the EngineSet, so deleting it deletes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modeserve.operator.spec import EngineSetSpec
+
+ENGINE_PORT = 50061
+ROUTER_PORT = 50051
+METRICS_PORT = 9090
+GROUP = "modeserve.io"
+VERSION = "v1alpha1"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+MODEL_MOUNT = "/models"
+
+Obj = dict[str, Any]
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "modeserve", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/part-of": "modeserve",
+            "modeserve.io/engineset": name}
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    return {"modeserve.io/engineset": name, "app.kubernetes.io/component": component}
+
+
+def engine_selector_string(name: str) -> str:
+    """The engine pods' label selector as the scale subresource wants it (status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in selector(name, "engine").items())
+
+
+def owner_reference(es: Obj) -> Obj:
+    meta = es["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EngineSet", "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def rank_address(name: str, namespace: str, rank: int) -> str:
+    """DNS name of rank ``rank``'s engine through the headless Service."""
+    return f"{name}-engine-{rank}.{name}-engine.{namespace}.svc:{ENGINE_PORT}"
+
+
+def _container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "runAsUser": 10001, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_security() -> Obj:
+    return {"runAsNonRoot": True, "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _tracing_env(spec: EngineSetSpec, service: str) -> list[Obj]:
+    if spec.tracing_endpoint is None:
+        return []
+    env = [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": spec.tracing_endpoint},
+           {"name": "OTEL_SERVICE_NAME", "value": service}]
+    if spec.tracing_sampler:
+        env.append({"name": "OTEL_TRACES_SAMPLER", "value": spec.tracing_sampler})
+    if spec.tracing_sampler_arg:
+        env.append({"name": "OTEL_TRACES_SAMPLER_ARG", "value": spec.tracing_sampler_arg})
+    return env
+
+
+def _model_volume(spec: EngineSetSpec) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, mounts) holding the model, read-only."""
+    if spec.pvc:
+        source: Obj = {"persistentVolumeClaim": {"claimName": spec.pvc, "readOnly": True}}
+    elif spec.host_path:
+        source = {"hostPath": {"path": spec.host_path, "type": "Directory"}}
+    else:
+        return [], []  # the model is inside the image
+    return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+
+
+def model_path(spec: EngineSetSpec) -> str:
+    """The model's path in the container: relative paths are under the mounted volume."""
+    if (spec.pvc or spec.host_path) and not spec.model_path.startswith("/"):
+        return f"{MODEL_MOUNT}/{spec.model_path}"
+    return spec.model_path
+
+
+def engine_args(spec: EngineSetSpec) -> list[str]:
+    """The engine command line after ``modeserve``; $(DP_RANK) is expanded by the kubelet."""
+    args = ["engine", "--model", model_path(spec), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+            "--dp-rank", "$(DP_RANK)", "--grace-period", str(max(spec.termination_grace_period_seconds - 10, 1))]
+    for key, value in sorted(spec.engine.items()):
+        flag = "--" + key.replace("_", "-")
+        if value.lower() in ("true", "false"):
+            args.append(flag if value.lower() == "true" else "--no-" + key.replace("_", "-"))
+        else:
+            args += [flag, value]
+    return args
+
+
+def engine_statefulset(es: Obj, spec: EngineSetSpec, replicas: int) -> Obj:
+    """The engines: ``replicas`` pods, rank i = pod i (pod-index label -> DP_RANK)."""
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    volumes, mounts = _model_volume(spec)
+    resources: Obj = {}
+    if spec.requests:
+        resources["requests"] = dict(spec.requests)
+    if spec.limits:
+        resources["limits"] = dict(spec.limits)
+    env = [
+        {"name": "DP_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
+        {"name": "DP_SIZE", "value": str(replicas)},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "modeserve.dp_rank=$(DP_RANK),k8s.pod.name=$(POD_NAME)"},
+        {"name": "HOME", "value": "/tmp"},
+        *_tracing_env(spec, f"{name}-engine"),
+    ]
+    container: Obj = {
+        "name": "engine",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": engine_args(spec),
+        "env": env,
+        "ports": [{"name": "grpc", "containerPort": ENGINE_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
+        # gRPC health: readiness per service (NOT_SERVING while draining), liveness on "" (the process)
+        "startupProbe": {"grpc": {"port": ENGINE_PORT, "service": ""}, "periodSeconds": 5, "failureThreshold": 360},
+        "livenessProbe": {"grpc": {"port": ENGINE_PORT, "service": ""}, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {"grpc": {"port": ENGINE_PORT, "service": "modeserve.v1.Engine"}, "periodSeconds": 5},
+        # drain before SIGTERM: no new streams, running ones finish, inside the grace period
+        "lifecycle": {"preStop": {"exec": {"command": [
+            "modeserve", "drain", "--server", f"127.0.0.1:{ENGINE_PORT}",
+            "--timeout", str(max(spec.termination_grace_period_seconds - 15, 1))]}}},
+        "resources": resources,
+        "securityContext": _container_security(),
+        "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    pod_spec: Obj = {
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "securityContext": _pod_security(),
+        "containers": [container],
+        "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = list(spec.tolerations)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": f"{name}-engine", "namespace": ns, "labels": labels(name, "engine"),
+                     "ownerReferences": [owner_reference(es)]},
+        "spec": {
+            "replicas": replicas,
+            "serviceName": f"{name}-engine",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(name, "engine")},
+            "template": {"metadata": {"labels": labels(name, "engine")}, "spec": pod_spec},
+        },
+    }
+
+
+def engine_service(es: Obj) -> Obj:
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": f"{name}-engine", "namespace": ns, "labels": labels(name, "engine"),
+                     "ownerReferences": [owner_reference(es)]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector(name, "engine"),
+                 "ports": [{"name": "grpc", "port": ENGINE_PORT, "targetPort": "grpc"},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
+    }
+
+
+def router_deployment(es: Obj, spec: EngineSetSpec) -> Obj:
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    args = ["router", "--engines", rank_address(name, ns, 0), "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+            "--dispatch", spec.dispatch, "--engine-wait", "3600"]
+    if spec.dp_lockstep:
+        args.append("--dp-lockstep")
+    container: Obj = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": args,
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "MODESERVE_ENGINESET", "value": name},
+                *_tracing_env(spec, f"{name}-router")],
+        "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
+        "readinessProbe": {"grpc": {"port": ROUTER_PORT, "service": "modeserve.v1.Generate"}, "periodSeconds": 5},
+        "livenessProbe": {"grpc": {"port": ROUTER_PORT, "service": ""}, "periodSeconds": 10,
+                          "initialDelaySeconds": 30, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    volumes, mounts = _model_volume(spec)  # the router loads the tokenizer from the model folder
+    container["volumeMounts"] += mounts
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": f"{name}-router", "namespace": ns, "labels": labels(name, "router"),
+                     "ownerReferences": [owner_reference(es)]},
+        "spec": {
+            "replicas": spec.router_replicas,
+            "selector": {"matchLabels": selector(name, "router")},
+            "template": {"metadata": {"labels": labels(name, "router")},
+                         "spec": {"securityContext": _pod_security(), "containers": [container],
+                                  "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}},
+        },
+    }
+
+
+def router_service(es: Obj) -> Obj:
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": ns, "labels": labels(name, "router"),
+                     "ownerReferences": [owner_reference(es)]},
+        "spec": {"selector": selector(name, "router"),
+                 "ports": [{"name": "grpc", "port": ROUTER_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
+    }

@@ -1,0 +1,106 @@
+"""An EngineSet's spec as typed values, validated (the CRD schema checks shapes; this checks meaning).
+
+``parse_spec`` raises ``InvalidSpec`` with every problem in one message: the operator turns it into a
+Degraded condition and does not retry until the spec changes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from modeserve.engine.config import RunnerConfig, SchedulerConfig
+
+# engine arguments an EngineSet may set: the engine CLI's flags (config fields), minus what the
+# operator owns itself (the model path, the port)
+_OWNED = {"model"}
+ENGINE_ARGS = sorted(({f for f in RunnerConfig.__dataclass_fields__} | {f for f in SchedulerConfig.__dataclass_fields__})
+                     - _OWNED)
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
+DISPATCH = ("prefix", "least-loaded", "round-robin")
+
+
+class InvalidSpec(ValueError):
+    """The EngineSet's spec cannot be deployed; the message says why (all problems at once)."""
+
+
+@dataclass(frozen=True)
+class EngineSetSpec:
+    model_path: str
+    image: str
+    image_pull_policy: str = "IfNotPresent"
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+    pvc: str | None = None
+    host_path: str | None = None
+    engine: dict[str, str] = field(default_factory=dict)
+    requests: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, str] = field(default_factory=dict)
+    router_replicas: int = 1
+    dispatch: str = "prefix"
+    dp_lockstep: bool = False
+    tracing_endpoint: str | None = None
+    tracing_sampler: str | None = None
+    tracing_sampler_arg: str | None = None
+    drain_timeout_seconds: int = 300
+    termination_grace_period_seconds: int = 120
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return int(self.limits.get("nvidia.com/gpu", self.requests.get("nvidia.com/gpu", "0")))
+
+
+def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
+    problems: list[str] = []
+    model = spec.get("model") or {}
+    path = str(model.get("path") or "")
+    if not path:
+        problems.append("spec.model.path is required")
+    if model.get("pvc") and model.get("hostPath"):
+        problems.append("spec.model: give pvc or hostPath, not both")
+    engine = {str(k): str(v) for k, v in (spec.get("engine") or {}).items()}
+    unknown = sorted(set(engine) - set(ENGINE_ARGS))
+    if unknown:
+        problems.append(f"spec.engine: unknown engine argument(s) {unknown}; known: {ENGINE_ARGS}")
+    if "device" in engine and engine["device"] not in ("cpu", "cuda"):
+        problems.append(f"spec.engine.device must be cpu or cuda, got {engine['device']!r}")
+    replicas = int(spec.get("replicas", 1))
+    if replicas < 0:
+        problems.append(f"spec.replicas must be >= 0, got {replicas}")
+    tp = int(spec.get("tensorParallelSize", 1))
+    if tp != 1:
+        problems.append(f"spec.tensorParallelSize {tp}: this release runs one GPU per engine (1)")
+    resources = spec.get("resources") or {}
+    requests = {str(k): str(v) for k, v in (resources.get("requests") or {}).items()}
+    limits = {str(k): str(v) for k, v in (resources.get("limits") or {}).items()}
+    for where, values in (("requests", requests), ("limits", limits)):
+        for k, v in values.items():
+            if not _QUANTITY.match(v):
+                problems.append(f"spec.resources.{where}.{k}: {v!r} is not a quantity")
+    router = spec.get("router") or {}
+    dispatch = str(router.get("dispatch", "prefix"))
+    if dispatch not in DISPATCH:
+        problems.append(f"spec.router.dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    image = str(spec.get("image") or default_image)
+    if not image:
+        problems.append("spec.image is empty and the operator has no default image")
+    if problems:
+        raise InvalidSpec("; ".join(problems))
+    tracing = spec.get("tracing") or {}
+    tracing_on = bool(tracing.get("enabled"))
+    return EngineSetSpec(
+        model_path=path, image=image, image_pull_policy=str(spec.get("imagePullPolicy", "IfNotPresent")),
+        replicas=replicas, tensor_parallel_size=tp, pvc=model.get("pvc"), host_path=model.get("hostPath"),
+        engine=engine, requests=requests, limits=limits, router_replicas=int(router.get("replicas", 1)),
+        dispatch=dispatch, dp_lockstep=bool(router.get("dpLockstep", False)),
+        tracing_endpoint=tracing.get("endpoint") if tracing_on else None,
+        tracing_sampler=tracing.get("sampler") if tracing_on else None,
+        tracing_sampler_arg=tracing.get("samplerArg") if tracing_on else None,
+        drain_timeout_seconds=int(spec.get("drainTimeoutSeconds", 300)),
+        termination_grace_period_seconds=int(spec.get("terminationGracePeriodSeconds", 120)),
+        node_selector={str(k): str(v) for k, v in (spec.get("nodeSelector") or {}).items()},
+        tolerations=list(spec.get("tolerations") or []),
+    )
