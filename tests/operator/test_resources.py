@@ -1,0 +1,73 @@
+"""What the operator creates for an EngineSet: valid Kubernetes objects (official schemas, strict)
+with the ranks, probes, drain hook and ownership the design asks for; invalid specs are refused
+with every problem named."""
+
+from __future__ import annotations
+
+import pytest
+import kubernetes_validate
+
+from modeserve.operator import resources as res
+from modeserve.operator.spec import InvalidSpec, parse_spec
+from modeserve.service.cli import build_parser
+from tests.k8s.test_chart import SAMPLE
+
+ES = {**SAMPLE, "metadata": {"name": "llama", "namespace": "serving", "uid": "1234-abcd", "generation": 3}}
+
+
+def objects(replicas: int = 2) -> list[dict]:
+    spec = parse_spec(ES["spec"], default_image="ghcr.io/modeserve/modeserve:0.1.0")
+    return [res.engine_statefulset(ES, spec, replicas), res.engine_service(ES), res.router_deployment(ES, spec),
+            res.router_service(ES)]
+
+
+@pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
+def test_owned_objects_validate_strict(k8s_version: str) -> None:
+    for obj in objects():
+        kubernetes_validate.validate(obj, k8s_version, strict=True)
+        assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet",
+                                                       "name": "llama", "uid": "1234-abcd", "controller": True,
+                                                       "blockOwnerDeletion": True}]
+
+
+def test_engine_statefulset_ranks_probes_and_drain() -> None:
+    sts = objects(replicas=3)[0]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["DP_SIZE"]["value"] == "3"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4317"
+    assert c["readinessProbe"]["grpc"] == {"port": res.ENGINE_PORT, "service": "modeserve.v1.Engine"}
+    assert c["livenessProbe"]["grpc"]["service"] == ""
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["modeserve", "drain"]
+    assert pod["terminationGracePeriodSeconds"] == 120
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["runAsNonRoot"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    # the engine's command line is one the real CLI accepts
+    args = [a.replace("$(DP_RANK)", "1") for a in c["args"]]
+    parsed = build_parser().parse_args(args)
+    assert (parsed.model, parsed.dp_rank, parsed.page_size, parsed.enable_mixed, parsed.device) == (
+        "/models/llama-3.1-8b", 1, 16, True, "cuda")
+
+
+def test_router_points_at_rank_zero_and_serves_generate() -> None:
+    _, headless, router, service = objects()
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    c = router["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(c["args"])
+    assert parsed.engines == "llama-engine-0.llama-engine.serving.svc:50061" and parsed.dispatch == "prefix"
+    assert c["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Generate"
+    assert service["metadata"]["name"] == "llama" and service["spec"]["ports"][0]["port"] == 50051
+
+
+def test_invalid_spec_names_every_problem() -> None:
+    bad = {"model": {"path": "", "pvc": "a", "hostPath": "/b"}, "engine": {"page_sise": "16", "device": "tpu"},
+           "router": {"dispatch": "random"}, "resources": {"limits": {"memory": "lots"}}, "tensorParallelSize": 2}
+    with pytest.raises(InvalidSpec) as err:
+        parse_spec(bad, default_image="img")
+    msg = str(err.value)
+    for needle in ("spec.model.path", "pvc or hostPath", "page_sise", "device", "dispatch", "memory", "tensorParallelSize"):
+        assert needle in msg, needle
