@@ -9,14 +9,15 @@ batch is a ``ValueError`` naming the field instead of a device fault or a corrup
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.proto.v1 import forward_pb2
+from modeserve.engine.scheduler.stats import ForwardModeStats
+from modeserve.proto.v1 import forward_pb2, generate_pb2
 
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
@@ -267,3 +268,19 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
         top_logprob_ids=top_ids.reshape(num_samples, m.top_n),
         top_logprob_values=top_values.reshape(num_samples, m.top_n),
     )
+
+
+# ---- per-mode statistics ---------------------------------------------------------------------
+def mode_stats_to_proto(stats: Iterable[ForwardModeStats]) -> list[generate_pb2.ModeStat]:
+    """Per-mode totals summed over ``stats`` (one per rank), in ForwardMode order."""
+    total: dict[str, list[float]] = {}
+    for st in stats:
+        for mode, n in list(st.mode_counts.items()):
+            row = total.setdefault(mode, [0, 0, 0, 0.0])
+            row[0] += n
+            row[1] += st.mode_tokens.get(mode, 0)
+            row[2] += st.mode_requests.get(mode, 0)
+            row[3] += st.mode_seconds.get(mode, 0.0)
+    order = {m.name: int(m) for m in ForwardMode}
+    return [generate_pb2.ModeStat(mode=m, steps=int(r[0]), tokens=int(r[1]), requests=int(r[2]), seconds=r[3])
+            for m, r in sorted(total.items(), key=lambda kv: order.get(kv[0], 99))]

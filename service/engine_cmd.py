@@ -17,6 +17,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on stdout)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--dp-rank", type=int, default=0, help="this engine's data-parallel rank (reported by Describe)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight streams get to finish after SIGTERM")
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
     runner = parts.runner
     srv = create_engine_server(runner, address, model_path=str(parts.path), eos_token_ids=parts.eos_token_ids,
-                               dp_rank=args.dp_rank)
+                               dp_rank=args.dp_rank, metrics_port=args.metrics_port)
     host = address.rsplit(":", 1)[0]
     print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
     logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -22,6 +23,7 @@ from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
 from modeserve.service.lockstep import LockstepGroup, StepOffer
+from modeserve.service.metrics import RankSample
 from modeserve.service.transport import EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards the inbox, the handles and the load counter
         self._sched_lock = threading.Lock()  # the loop thread holds it while it touches the scheduler
         self._handles: dict[str, RequestHandle] = {}
+        self._last_result = 0.0
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
@@ -125,6 +128,14 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def rank_sample(self, rank: str) -> RankSample:
+        """Gauges and step statistics for /metrics (read without the lock: a scrape may be a step late)."""
+        sched = self.scheduler
+        kv = sched.kv
+        idle_pages = kv.pool.num_free_pages + (kv.cache.num_evictable_pages if kv.cache is not None else 0)
+        usage = 1.0 - idle_pages / max(kv.pool.num_total_pages, 1)
+        return RankSample(rank, sched.stats, queued=len(sched.waiting), running=len(sched.running), kv_usage=usage)
+
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` this rank's prefix cache holds now (exact: read under the lock)."""
         with self._sched_lock:
@@ -170,7 +181,12 @@ class EngineLoop:
                 del self._handles[req.rid]
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
-    def _process(self, step: ScheduledStep, result: ForwardResult) -> None:
+    def _process(self, step: ScheduledStep, started: float, result: ForwardResult) -> None:
+        """Deliver a step's tokens; its time counts from when it could start: its submission, or
+        the previous result if that came later (steps in flight run one after the other)."""
+        now = time.perf_counter()
+        self.scheduler.stats.add_time(step.batch.forward_mode, now - max(started, self._last_result))
+        self._last_result = now
         for ev in self.scheduler.process_result(step, result):
             lp = (ev.req.output_logprobs[-1],) if ev.req.output_logprobs else ()
             self._deliver(ev.req, ev.new_token_ids, ev.req.finish_reason if ev.finished else None, lp)
@@ -186,14 +202,14 @@ class EngineLoop:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _run_free(self) -> None:
-        in_flight: collections.deque[ScheduledStep] = collections.deque()
+        in_flight: collections.deque[tuple[ScheduledStep, float]] = collections.deque()
         while not self._stopped:
             with self._sched_lock:
                 self._drain_inbox()
                 step = self.scheduler.schedule() if len(in_flight) < self.depth else None
                 if step is not None:
                     self.transport.submit(step.batch)
-                    in_flight.append(step)
+                    in_flight.append((step, time.perf_counter()))
                     continue
             if not in_flight:
                 self._wake.wait(timeout=0.05)
@@ -201,7 +217,7 @@ class EngineLoop:
                 continue
             result = self.transport.receive()
             with self._sched_lock:
-                self._process(in_flight.popleft(), result)
+                self._process(*in_flight.popleft(), result=result)
 
     def _run_lockstep(self, group: LockstepGroup) -> None:
         """One step at a time, agreed with the other ranks: a rank without work runs IDLE, and a
@@ -224,10 +240,11 @@ class EngineLoop:
                 if step is None:
                     step = self.scheduler.schedule(idle_if_empty=True)
                     assert step is not None
+            started = time.perf_counter()
             self.transport.submit(dataclasses.replace(step.batch, padded_batch_size=agreement.padded_batch_size))
             result = self.transport.receive()
             with self._sched_lock:
-                self._process(step, result)
+                self._process(step, started, result)
 
     def _graph_rows(self, step: ScheduledStep | None) -> int:
         """Rows this step would replay in a CUDA graph (0 when idle), -1 if it runs eagerly."""

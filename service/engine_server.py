@@ -22,7 +22,10 @@ from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.runner.host_io import PendingResult
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
-from modeserve.service.convert import BatchLimits, batch_from_proto, result_to_proto
+from modeserve.engine.forward_mode import ForwardMode
+from modeserve.engine.scheduler.stats import ForwardModeStats
+from modeserve.service.convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
+from modeserve.service.metrics import MetricsServer, RankSample
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._description = description
         self._health: health.HealthServicer | None = None
         self._forward_lock = threading.Lock()  # the runner runs one batch at a time
+        self.stats = ForwardModeStats()  # the steps this engine ran (Describe and /metrics read it)
         self._state_lock = threading.Lock()  # guards the two fields below
         self._active_streams = 0
         self._draining = False
@@ -140,7 +144,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
             threading.Thread(target=_read_all, args=(request_iterator, inbox), name="engine-stream-reader",
                              daemon=True).start()
-            pending: collections.deque[tuple[int, float, PendingResult[ForwardResult]]] = collections.deque()
+            pending: collections.deque[tuple[forward_pb2.ForwardBatch, float, PendingResult[ForwardResult]]] = (
+                collections.deque())
             ended = False
             while not ended or pending:
                 msg: forward_pb2.ForwardBatch | None = None
@@ -157,7 +162,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             yield self._finish(*pending.popleft())
                         _abort(context, *error)
                     assert launched is not None
-                    pending.append((msg.step, time.perf_counter(), launched))
+                    pending.append((msg, time.perf_counter(), launched))
                     if len(pending) < 2:
                         continue
                 if pending:
@@ -178,14 +183,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 logger.exception("forward of step %d failed", msg.step)
                 return None, (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
 
-    @staticmethod
-    def _finish(step: int, start: float, launched: PendingResult[ForwardResult]) -> forward_pb2.ForwardResult:
+    def _finish(self, msg: forward_pb2.ForwardBatch, start: float,
+                launched: PendingResult[ForwardResult]) -> forward_pb2.ForwardResult:
         result = launched.result()
-        return result_to_proto(result, step, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        batch_size = len(msg.req_pool_indices) // 8  # int64 LE, validated on the way in
+        self.stats.record(ForwardMode(msg.forward_mode), batch_size, len(msg.input_ids) // 8, seconds)
+        return result_to_proto(result, msg.step, seconds)
 
     def Describe(self, request: engine_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> engine_pb2.EngineDescription:
-        return self._description
+        description = engine_pb2.EngineDescription()
+        description.CopyFrom(self._description)
+        description.mode_stats.extend(mode_stats_to_proto([self.stats]))
+        return description
+
+    def rank_sample(self) -> RankSample:
+        runner = self._runner
+        return RankSample(str(self._description.dp_rank), self.stats,
+                          graph_stats=runner.graphs.stats() if runner.graphs is not None else None)
 
     def Drain(self, request: engine_pb2.DrainRequest, context: grpc.ServicerContext) -> engine_pb2.DrainResponse:
         active = self.drain()
@@ -193,7 +209,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 def create_engine_server(runner: ModelRunner, address: str, *, model_path: str | None = None,
-                         eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0) -> GrpcServer:
+                         eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0,
+                         metrics_port: int | None = None) -> GrpcServer:
     """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection.
 
     Draining marks the Engine service NOT_SERVING (readiness) while liveness ``""`` stays SERVING.
@@ -205,4 +222,6 @@ def create_engine_server(runner: ModelRunner, address: str, *, model_path: str |
         [ENGINE_SERVICE],
     )
     servicer.attach_health(srv.health)
+    if metrics_port is not None:
+        srv.metrics_port = MetricsServer(lambda: [servicer.rank_sample()], router=False).start(metrics_port)
     return srv

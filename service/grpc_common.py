@@ -31,6 +31,7 @@ class GrpcServer:
     port: int
     health: health.HealthServicer
     service_names: tuple[str, ...]
+    metrics_port: int | None = None  # the process's Prometheus /metrics port, when serving one
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from modeserve.service.dispatch import Dispatcher
 from modeserve.service.engine_loop import EngineLoop, RequestHandle, TokenUpdate
+from modeserve.service.metrics import RankSample
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,10 @@ class RankTable:
                     with self._lock:
                         rank.state, rank.error = RankState.GONE, "health check failed"
                     self._move(rank.loop.evict())
+
+    def samples(self) -> list[RankSample]:
+        """Per-rank metrics of the ranks with a scheduler (for /metrics)."""
+        return [r.loop.rank_sample(str(r.rank)) for r in self.ranks() if r.loop is not None]
 
     def abort(self, rid: str) -> None:
         for loop in self.all_loops():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import uuid
 from typing import Iterator, Sequence
 
@@ -12,6 +13,8 @@ import grpc
 from modeserve.engine.tokenizer import Tokenizer
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
 from modeserve.service.engine_loop import QueueFullError, RequestHandle
+from modeserve.service.convert import mode_stats_to_proto
+from modeserve.service.metrics import RequestMetrics
 from modeserve.service.rank_table import RankTable
 from modeserve.service.request_params import RequestLimits, check_prompt_shape, sampling_from_proto
 from modeserve.service.text_stream import TextStream
@@ -23,8 +26,9 @@ GENERATE_SERVICE = "modeserve.v1.Generate"
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, tokenizer: Tokenizer | None, table: RankTable, limits: RequestLimits,
-                 model_name: str, eos_token_ids: Sequence[int]) -> None:
+                 model_name: str, eos_token_ids: Sequence[int], metrics: RequestMetrics | None = None) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.table = table
         self.limits = limits
         self.model_name = model_name
@@ -46,6 +50,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def Generate(self, request: generate_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
+        arrived = time.perf_counter()
         try:
             sampling = sampling_from_proto(request.sampling, self.limits)
             prompt_ids = self._prompt_ids(request)
@@ -59,12 +64,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         context.add_callback(lambda: self.table.abort(rid))  # client cancel or deadline: free its KV
-        yield from self._stream(rid, handle, sampling.stop, context)
+        yield from self._stream(rid, handle, sampling.stop, context, arrived)
+
+    def _observe(self, tokens: int, last: float | None, arrived: float) -> float:
+        """A message of ``tokens`` tokens reached the stream now: the first one's time to first
+        token, or the gap since the previous message shared by its tokens. Returns now."""
+        now = time.perf_counter()
+        if self.metrics is not None:
+            if last is None:
+                self.metrics.ttft.observe(now - arrived)
+            else:
+                for _ in range(tokens):
+                    self.metrics.itl.observe((now - last) / tokens)
+        return now
 
     def _stream(self, rid: str, handle: RequestHandle, stop: Sequence[str],
-                context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+                context: grpc.ServicerContext, arrived: float) -> Iterator[generate_pb2.GenerateResponse]:
         text = TextStream(self.tokenizer, stop) if self.tokenizer is not None else None
         num_out = 0
+        last: float | None = None
         while True:
             try:
                 upd = handle.updates.get(timeout=0.5)
@@ -74,6 +92,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 continue
             tokens = list(upd.token_ids)
             num_out += len(tokens)
+            if tokens:
+                last = self._observe(len(tokens), last, arrived)
             delta = text.push(tokens) if text is not None else ""
             if upd.finish_reason is None:
                 if tokens:
@@ -82,6 +102,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 continue
             if text is not None:
                 delta += text.finish()
+            if self.metrics is not None:
+                self.metrics.requests.labels(finish_reason=upd.finish_reason).inc()
             req = handle.req
             usage = generate_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_out,
                                        cached_tokens=req.num_cached_prompt_tokens)
@@ -104,4 +126,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                   context: grpc.ServicerContext) -> generate_pb2.ModelInfoResponse:
         return generate_pb2.ModelInfoResponse(model=self.model_name, context_length=self.limits.max_context,
                                               vocab_size=self.limits.vocab_size, num_ranks=len(self.table.ready_loops()),
+                                              mode_stats=mode_stats_to_proto(
+                                                  lp.scheduler.stats for lp in self.table.all_loops()),
                                               eos_token_ids=self.eos_token_ids)

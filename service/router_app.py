@@ -11,6 +11,7 @@ from modeserve.service.admin import ADMIN_SERVICE, AdminServicer
 from modeserve.service.dispatch import Dispatcher
 from modeserve.service.engine_loop import EngineLoop, RequestHandle
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
+from modeserve.service.metrics import MetricsServer
 from modeserve.service.rank_table import RankSpec, RankTable
 from modeserve.service.request_params import RequestLimits
 from modeserve.service.router import GENERATE_SERVICE, GenerateServicer
@@ -21,6 +22,7 @@ class RouterApp:
     server: GrpcServer
     servicer: GenerateServicer
     table: RankTable
+    metrics: MetricsServer
 
     @property
     def port(self) -> int:
@@ -33,6 +35,7 @@ class RouterApp:
     def stop(self, grace: float = 5.0) -> None:
         self.server.shutdown(grace).wait()
         self.table.close()
+        self.metrics.stop()
 
 
 def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
@@ -46,9 +49,12 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
 
 
 def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, limits: RequestLimits,
-                 model_name: str, eos_token_ids: Sequence[int]) -> RouterApp:
-    """Serve Generate (and Admin, over the same table) on ``address``."""
-    servicer = GenerateServicer(tokenizer, table, limits, model_name, eos_token_ids)
+                 model_name: str, eos_token_ids: Sequence[int], metrics_port: int | None = None) -> RouterApp:
+    """Serve Generate (and Admin, over the same table) on ``address``; /metrics on ``metrics_port``."""
+    metrics = MetricsServer(table.samples, router=True)
+    if metrics_port is not None:
+        metrics.start(metrics_port)
+    servicer = GenerateServicer(tokenizer, table, limits, model_name, eos_token_ids, metrics.requests)
     admin = AdminServicer(table)
     server = create_grpc_server(
         address,
@@ -56,11 +62,12 @@ def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, li
          lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
         [GENERATE_SERVICE, ADMIN_SERVICE],
     )
-    return RouterApp(server, servicer, table)
+    return RouterApp(server, servicer, table, metrics)
 
 
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
-                max_new_tokens_limit: int | None = None, **engine_kwargs: object) -> RouterApp:
+                max_new_tokens_limit: int | None = None, metrics_port: int | None = None,
+                **engine_kwargs: object) -> RouterApp:
     """One process: router + scheduler + engine with the in-process transport."""
     from modeserve.engine.llm import LLM
     from modeserve.service.transport import InProcessTransport
@@ -83,4 +90,4 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
         max_prompt_chars=64 * llm.runner.max_context,
     )
     eos = llm.scheduler.stop.eos_token_ids
-    return start_router(address, table, llm.tokenizer, limits, llm.model_config.name, sorted(eos))
+    return start_router(address, table, llm.tokenizer, limits, llm.model_config.name, sorted(eos), metrics_port)

@@ -39,6 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine-wait", type=float, default=120.0, help="seconds to wait for engines to be SERVING")
     p.add_argument("--dispatch", choices=POLICIES, default="prefix",
                    help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
@@ -104,7 +105,7 @@ def engine_healthy(address: str, timeout: float = 2.0) -> bool:
 def start_remote_router(address: str, engines: list[str], model: str | None, sched_cfg: SchedulerConfig,
                         overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0,
                         dispatch: str = "prefix", lockstep: bool = False,
-                        health_interval: float = 1.0) -> RouterApp:
+                        health_interval: float = 1.0, metrics_port: int | None = None) -> RouterApp:
     """Router over remote engines; rank i is ``engines[i]`` (more may join through Admin/SetRanks)."""
     _, desc = describe_engine(engines[0], wait)  # the model's facts: tokenizer, limits
     source = model or (desc.model_path if Path(desc.model_path).exists() else None)
@@ -126,7 +127,7 @@ def start_remote_router(address: str, engines: list[str], model: str | None, sch
     table.wait_ready(wait + 30)
     limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
-    return start_router(address, table, tokenizer, limits, desc.model, list(desc.eos_token_ids))
+    return start_router(address, table, tokenizer, limits, desc.model, list(desc.eos_token_ids), metrics_port)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,5 +136,6 @@ def run(args: argparse.Namespace) -> int:
 
     app = start_remote_router(grpc_address(args.host, args.port), [e for e in args.engines.split(",") if e],
                               args.model, SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), args.overlap,
-                              args.max_queued_requests, args.engine_wait, args.dispatch, args.dp_lockstep)
+                              args.max_queued_requests, args.engine_wait, args.dispatch, args.dp_lockstep,
+                              metrics_port=args.metrics_port)
     return serve_app(app, "router", args.host, args.grace_period)

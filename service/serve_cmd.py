@@ -17,6 +17,7 @@ def add_parser(sub: Any) -> None:
                    help="schedule step N+1 while step N runs (default on)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish streams on SIGTERM")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -26,5 +27,6 @@ def run(args: argparse.Namespace) -> int:
     from modeserve.service.router_app import serve_app, start_serve
 
     app = start_serve(grpc_address(args.host, args.port), args.model, overlap=args.overlap,
-                      max_queued_requests=args.max_queued_requests, **engine_kwargs(args))
+                      max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
+                      **engine_kwargs(args))
     return serve_app(app, "serve", args.host, args.grace_period)

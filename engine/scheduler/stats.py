@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from typing import Any
 
 from modeserve.engine.forward_mode import ForwardMode
 
 
+# upper bounds (seconds) of the step-time histogram: 0.5 ms .. 10 s
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
 class ForwardModeStats:
+    """The single source of per-mode step counts (the step log line, ``llm.stats()``, the Prometheus
+    metrics and the Describe/ModelInfo RPCs all read this)."""
+
     def __init__(self) -> None:
         self.mode_counts: dict[str, int] = defaultdict(int)
         self.mode_tokens: dict[str, int] = defaultdict(int)
         self.mode_requests: dict[str, int] = defaultdict(int)
         self.mode_seconds: dict[str, float] = defaultdict(float)
+        self.mode_timed_steps: dict[str, int] = defaultdict(int)
+        # per mode: counts of steps whose time falls at or under each bucket bound (cumulative at read)
+        self.mode_time_buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1))
         self.num_retractions = 0
         self.num_prefix_hit_tokens = 0
 
@@ -21,10 +32,24 @@ class ForwardModeStats:
         self.mode_counts[mode.name] += 1
         self.mode_tokens[mode.name] += num_tokens
         self.mode_requests[mode.name] += batch_size
-        self.mode_seconds[mode.name] += seconds
+        if seconds:
+            self.add_time(mode, seconds)
 
     def add_time(self, mode: ForwardMode, seconds: float) -> None:
+        """One step of ``mode`` took ``seconds`` (its sum and its histogram bucket)."""
         self.mode_seconds[mode.name] += seconds
+        self.mode_timed_steps[mode.name] += 1
+        self.mode_time_buckets[mode.name][bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+
+    def step_time_histogram(self, mode: str) -> tuple[list[tuple[float, int]], int, float]:
+        """(cumulative (upper bound, count) pairs incl. +inf, step count, seconds sum) of ``mode``."""
+        counts = list(self.mode_time_buckets.get(mode, [0] * (len(STEP_SECONDS_BUCKETS) + 1)))
+        bounds = [*STEP_SECONDS_BUCKETS, float("inf")]
+        cumulative, total = [], 0
+        for bound, n in zip(bounds, counts):
+            total += n
+            cumulative.append((bound, total))
+        return cumulative, total, self.mode_seconds.get(mode, 0.0)
 
     def get_stats(self) -> dict[str, Any]:
         return {

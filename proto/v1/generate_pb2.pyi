@@ -105,15 +105,31 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "context_length", "vocab_size", "num_ranks", "eos_token_ids")
+    __slots__ = ("model", "context_length", "vocab_size", "num_ranks", "eos_token_ids", "mode_stats")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_STATS_FIELD_NUMBER: _ClassVar[int]
     model: str
     context_length: int
     vocab_size: int
     num_ranks: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_ranks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    mode_stats: _containers.RepeatedCompositeFieldContainer[ModeStat]
+    def __init__(self, model: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_ranks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., mode_stats: _Optional[_Iterable[_Union[ModeStat, _Mapping]]] = ...) -> None: ...
+
+class ModeStat(_message.Message):
+    __slots__ = ("mode", "steps", "tokens", "requests", "seconds")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    steps: int
+    tokens: int
+    requests: int
+    seconds: float
+    def __init__(self, mode: _Optional[str] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., requests: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

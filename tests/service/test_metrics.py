@@ -1,0 +1,83 @@
+"""Prometheus /metrics of the router and of an engine, read with prometheus_client's own parser: per
+forward mode, the engine's counts equal the router's (one source each: ForwardModeStats), and
+request metrics count what the clients saw."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from modeserve.engine.config import EngineConfig, SchedulerConfig
+from modeserve.engine.models.loader import open_checkpoint
+from modeserve.engine.runner.model_runner import ModelRunner
+from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
+from modeserve.service.client import GenerateClient
+from modeserve.service.engine_server import create_engine_server
+from modeserve.service.router_cmd import describe_engine, start_remote_router
+from tests.engine.tiny_models import COMMON, mixed_prompts
+from tests.service.test_serve import generate_all
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def by_mode(samples: Samples, name: str, **fixed: str) -> dict[str, float]:
+    return {dict(k)["mode"]: v for (n, k), v in samples.items()
+            if n == name and all(dict(k).get(a) == b for a, b in fixed.items())}
+
+
+@pytest.fixture
+def engine_and_router(tiny_model: Path):  # type: ignore[no-untyped-def]
+    cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=2048)
+    runner = ModelRunner(cfg.runner, open_checkpoint(tiny_model))
+    engine = create_engine_server(runner, "127.0.0.1:0", model_path=str(tiny_model), dp_rank=0, metrics_port=0)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None,
+                              SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5),
+                              metrics_port=0)
+    yield engine, app
+    app.stop(grace=1)
+    engine.server.stop(1)
+
+
+def test_router_and_engine_metrics_agree_by_mode(engine_and_router) -> None:  # type: ignore[no-untyped-def]
+    engine, app = engine_and_router
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    prompts = mixed_prompts(12, COMMON["vocab_size"], seed=41, max_len=60)
+    outs = generate_all(client, prompts, 6)
+    router, eng = scrape(app.metrics.port), scrape(engine.metrics_port)
+    steps_r = by_mode(router, "modeserve_forward_steps_total", dp_rank="0")
+    steps_e = by_mode(eng, "modeserve_forward_steps_total", dp_rank="0")
+    stats = app.loops[0].scheduler.stats.get_stats()
+    assert steps_r == steps_e == {m: float(n) for m, n in stats["mode_distribution"].items()}
+    assert steps_r.get("DECODE", 0) > 0 and steps_r.get("EXTEND", 0) + steps_r.get("MIXED", 0) > 0
+    assert by_mode(router, "modeserve_forward_tokens_total") == by_mode(eng, "modeserve_forward_tokens_total")
+    # histograms: one observation per step, +Inf bucket = count
+    count_e = by_mode(eng, "modeserve_forward_step_seconds_count")
+    assert count_e == steps_e
+    inf = {dict(k)["mode"]: v for (n, k), v in eng.items() if n == "modeserve_forward_step_seconds_bucket"
+           and dict(k)["le"] == "+Inf"}
+    assert inf == count_e
+    # request metrics: what the clients saw
+    assert router["modeserve_requests_total", (("finish_reason", "length"),)] == len(prompts)
+    assert router["modeserve_time_to_first_token_seconds_count", ()] == len(prompts)
+    assert all(o.finish_reason == "length" for o in outs)
+    assert router["modeserve_queue_requests", (("dp_rank", "0"),)] == 0
+    assert router["modeserve_running_requests", (("dp_rank", "0"),)] == 0
+    assert 0 <= router["modeserve_kv_cache_usage_ratio", (("dp_rank", "0"),)] <= 1
+    # Describe and ModelInfo read the same statistics
+    _, desc = describe_engine(f"127.0.0.1:{engine.port}", 5)
+    assert {m.mode: m.steps for m in desc.mode_stats} == {m: int(v) for m, v in steps_e.items()}
+    info = client.model_info()
+    assert {m.mode: m.steps for m in info.mode_stats} == {m: int(v) for m, v in steps_r.items()}
+    client.close()
