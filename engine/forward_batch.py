@@ -6,7 +6,8 @@ scheduler never touches a device tensor and the service can move them as packed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class ForwardBatch:
     # DP lockstep: 0 = the engine chooses; > 0 = replay the CUDA graph of at least this many rows (all
     # ranks pad to one bucket, an IDLE rank replays padding only); -1 = eager (a rank cannot use a graph)
     padded_batch_size: int = 0
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate of the step
 
     @property
     def batch_size(self) -> int:

@@ -94,6 +94,7 @@ def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
     return forward_pb2.ForwardBatch(
         step=b.step,
         padded_batch_size=b.padded_batch_size,
+        trace_context=dict(b.trace_context),
         forward_mode=int(b.forward_mode),
         req_pool_indices=_pack(b.req_pool_indices, _I64),
         prefix_lens=_pack(b.prefix_lens, _I64),
@@ -231,6 +232,7 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
         slot_updates=_slot_updates_from_proto(m, limits),
         step=m.step,
         padded_batch_size=m.padded_batch_size,
+        trace_context=dict(m.trace_context),
     )
 
 

@@ -18,12 +18,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from modeserve.engine.forward_batch import ForwardResult
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanKind
+
+from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
 from modeserve.service.lockstep import LockstepGroup, StepOffer
 from modeserve.service.metrics import RankSample
+from modeserve.service.tracing import Tracing, inject
 from modeserve.service.transport import EngineTransport
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,8 @@ class TokenUpdate:
 class RequestHandle:
     req: Req
     updates: queue.Queue[TokenUpdate] = field(default_factory=queue.Queue)
+    span: Span | None = None  # the router's request span, when tracing is on
+    step_links: int = 0  # step spans linked to it so far
 
 
 class EngineLoop:
@@ -56,7 +62,8 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, transport: EngineTransport, overlap: bool = True,
                  max_queued_requests: int = 1024, name: str = "engine",
                  on_failure: Callable[[EngineLoop, list[RequestHandle]], None] | None = None,
-                 lockstep: LockstepGroup | None = None, graph_batch_sizes: Sequence[int] = ()) -> None:
+                 lockstep: LockstepGroup | None = None, graph_batch_sizes: Sequence[int] = (),
+                 tracing: Tracing | None = None, dp_rank: int = 0) -> None:
         self.scheduler = scheduler
         self.transport = transport
         self.name = name
@@ -65,6 +72,8 @@ class EngineLoop:
         self.on_failure = on_failure
         self.lockstep = lockstep
         self.graph_batch_sizes = sorted(graph_batch_sizes)
+        self.tracing = tracing
+        self.dp_rank = dp_rank
         self.error: str | None = None
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._wake = threading.Event()
@@ -85,8 +94,8 @@ class EngineLoop:
         with self._sched_lock:  # validation reads config; the seed draw uses the scheduler's rng
             return self.scheduler.make_request(rid, prompt_ids, sampling)
 
-    def submit(self, req: Req) -> RequestHandle:
-        return self._adopt(RequestHandle(req), check_capacity=True)
+    def submit(self, req: Req, span: Span | None = None) -> RequestHandle:
+        return self._adopt(RequestHandle(req, span=span), check_capacity=True)
 
     def resume(self, handle: RequestHandle) -> None:
         """Continue another rank's request here: its delivered tokens are recomputed (like a
@@ -181,9 +190,11 @@ class EngineLoop:
                 del self._handles[req.rid]
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
-    def _process(self, step: ScheduledStep, started: float, result: ForwardResult) -> None:
+    def _process(self, step: ScheduledStep, started: float, span: Span | None, result: ForwardResult) -> None:
         """Deliver a step's tokens; its time counts from when it could start: its submission, or
         the previous result if that came later (steps in flight run one after the other)."""
+        if span is not None:
+            span.end()
         now = time.perf_counter()
         self.scheduler.stats.add_time(step.batch.forward_mode, now - max(started, self._last_result))
         self._last_result = now
@@ -202,14 +213,15 @@ class EngineLoop:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _run_free(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float]] = collections.deque()
+        in_flight: collections.deque[tuple[ScheduledStep, float, Span | None]] = collections.deque()
         while not self._stopped:
             with self._sched_lock:
                 self._drain_inbox()
                 step = self.scheduler.schedule() if len(in_flight) < self.depth else None
                 if step is not None:
-                    self.transport.submit(step.batch)
-                    in_flight.append((step, time.perf_counter()))
+                    batch, span = self._traced(step.batch, step)
+                    self.transport.submit(batch)
+                    in_flight.append((step, time.perf_counter(), span))
                     continue
             if not in_flight:
                 self._wake.wait(timeout=0.05)
@@ -241,10 +253,35 @@ class EngineLoop:
                     step = self.scheduler.schedule(idle_if_empty=True)
                     assert step is not None
             started = time.perf_counter()
-            self.transport.submit(dataclasses.replace(step.batch, padded_batch_size=agreement.padded_batch_size))
+            batch, span = self._traced(dataclasses.replace(step.batch, padded_batch_size=agreement.padded_batch_size),
+                                       step)
+            self.transport.submit(batch)
             result = self.transport.receive()
             with self._sched_lock:
-                self._process(step, started, result)
+                self._process(step, started, span, result)
+
+    MAX_STEP_LINKS = 64  # step spans linked from one request span (the SDK keeps at most 128 links)
+
+    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, Span | None]:
+        """With tracing on: a ``modeserve.step`` span in the trace of the step's first traced request
+        (linked to the others', which link back to it), its context sent along in the batch."""
+        if self.tracing is None or not self.tracing.enabled or not step.reqs:
+            return batch, None
+        with self._lock:
+            handles = [h for h in (self._handles.get(r.rid) for r in step.reqs) if h is not None and h.span is not None]
+        if not handles:
+            return batch, None
+        parent = trace.set_span_in_context(handles[0].span)  # type: ignore[arg-type]
+        links = [Link(h.span.get_span_context()) for h in handles[1:1 + self.MAX_STEP_LINKS]]  # type: ignore[union-attr]
+        span = self.tracing.start_span("modeserve.step", parent, SpanKind.CLIENT, links)
+        span.set_attributes({"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+                             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank,
+                             "modeserve.step": batch.step})
+        for h in handles:
+            if h.step_links < self.MAX_STEP_LINKS:
+                h.span.add_link(span.get_span_context())  # type: ignore[union-attr]
+                h.step_links += 1
+        return dataclasses.replace(batch, trace_context=inject(span)), span
 
     def _graph_rows(self, step: ScheduledStep | None) -> int:
         """Rows this step would replay in a CUDA graph (0 when idle), -1 if it runs eagerly."""

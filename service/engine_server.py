@@ -17,6 +17,7 @@ from typing import Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
+from opentelemetry.trace import Span, SpanKind
 
 from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.runner.host_io import PendingResult
@@ -26,6 +27,7 @@ from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.scheduler.stats import ForwardModeStats
 from modeserve.service.convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
 from modeserve.service.metrics import MetricsServer, RankSample
+from modeserve.service.tracing import Tracing, extract
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -81,8 +83,10 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, runner: ModelRunner, description: engine_pb2.EngineDescription) -> None:
+    def __init__(self, runner: ModelRunner, description: engine_pb2.EngineDescription,
+                 tracing: Tracing | None = None) -> None:
         self._runner = runner
+        self.tracing = tracing or Tracing("engine", description.dp_rank, env={})
         self._limits = batch_limits(runner)
         self._description = description
         self._health: health.HealthServicer | None = None
@@ -144,8 +148,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
             threading.Thread(target=_read_all, args=(request_iterator, inbox), name="engine-stream-reader",
                              daemon=True).start()
-            pending: collections.deque[tuple[forward_pb2.ForwardBatch, float, PendingResult[ForwardResult]]] = (
-                collections.deque())
+            pending: collections.deque[tuple[forward_pb2.ForwardBatch, float, PendingResult[ForwardResult],
+                                             Span | None]] = collections.deque()
             ended = False
             while not ended or pending:
                 msg: forward_pb2.ForwardBatch | None = None
@@ -162,7 +166,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             yield self._finish(*pending.popleft())
                         _abort(context, *error)
                     assert launched is not None
-                    pending.append((msg, time.perf_counter(), launched))
+                    pending.append((msg, time.perf_counter(), launched, self._span(msg)))
                     if len(pending) < 2:
                         continue
                 if pending:
@@ -183,10 +187,26 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 logger.exception("forward of step %d failed", msg.step)
                 return None, (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
 
-    def _finish(self, msg: forward_pb2.ForwardBatch, start: float,
-                launched: PendingResult[ForwardResult]) -> forward_pb2.ForwardResult:
+    def _span(self, msg: forward_pb2.ForwardBatch) -> Span | None:
+        """The step's ``modeserve.forward`` span, a child of the router's step (None when off)."""
+        if not self.tracing.enabled:
+            return None
+        span = self.tracing.start_span("modeserve.forward", extract(msg.trace_context), SpanKind.SERVER)
+        batch_size = len(msg.req_pool_indices) // 8
+        bucket = self._runner.last_graph_bucket
+        span.set_attributes({
+            "modeserve.forward_mode": ForwardMode(msg.forward_mode).name, "modeserve.batch_size": batch_size,
+            "modeserve.num_tokens": len(msg.input_ids) // 8, "modeserve.cuda_graph": bucket is not None,
+            "modeserve.padded_batch_size": bucket if bucket is not None else batch_size,
+            "modeserve.dp_rank": self._description.dp_rank, "modeserve.step": msg.step})
+        return span
+
+    def _finish(self, msg: forward_pb2.ForwardBatch, start: float, launched: PendingResult[ForwardResult],
+                span: Span | None = None) -> forward_pb2.ForwardResult:
         result = launched.result()
         seconds = time.perf_counter() - start
+        if span is not None:
+            span.end()
         batch_size = len(msg.req_pool_indices) // 8  # int64 LE, validated on the way in
         self.stats.record(ForwardMode(msg.forward_mode), batch_size, len(msg.input_ids) // 8, seconds)
         return result_to_proto(result, msg.step, seconds)
@@ -215,7 +235,8 @@ def create_engine_server(runner: ModelRunner, address: str, *, model_path: str |
 
     Draining marks the Engine service NOT_SERVING (readiness) while liveness ``""`` stays SERVING.
     """
-    servicer = EngineServicer(runner, describe_runner(runner, model_path, eos_token_ids, dp_rank))
+    servicer = EngineServicer(runner, describe_runner(runner, model_path, eos_token_ids, dp_rank),
+                              Tracing("engine", dp_rank))
     srv = create_grpc_server(
         address,
         [lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)],

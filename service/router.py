@@ -9,6 +9,7 @@ import uuid
 from typing import Iterator, Sequence
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from modeserve.engine.tokenizer import Tokenizer
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
@@ -16,6 +17,7 @@ from modeserve.service.engine_loop import QueueFullError, RequestHandle
 from modeserve.service.convert import mode_stats_to_proto
 from modeserve.service.metrics import RequestMetrics
 from modeserve.service.rank_table import RankTable
+from modeserve.service.tracing import Tracing, extract
 from modeserve.service.request_params import RequestLimits, check_prompt_shape, sampling_from_proto
 from modeserve.service.text_stream import TextStream
 
@@ -26,9 +28,11 @@ GENERATE_SERVICE = "modeserve.v1.Generate"
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, tokenizer: Tokenizer | None, table: RankTable, limits: RequestLimits,
-                 model_name: str, eos_token_ids: Sequence[int], metrics: RequestMetrics | None = None) -> None:
+                 model_name: str, eos_token_ids: Sequence[int], metrics: RequestMetrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.tracing = tracing or Tracing("router", env={})
         self.table = table
         self.limits = limits
         self.model_name = model_name
@@ -51,20 +55,35 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                  context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
         arrived = time.perf_counter()
+        span = self._request_span(request, context) if self.tracing.enabled else None
         try:
             sampling = sampling_from_proto(request.sampling, self.limits)
             prompt_ids = self._prompt_ids(request)
             loop = self.table.dispatcher.choose(self.table.ready_loops(), prompt_ids)
             req = loop.make_request(rid, prompt_ids, sampling)
-            handle = loop.submit(req)
-        except LookupError as exc:  # no rank ready
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except QueueFullError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+            handle = loop.submit(req, span)
+        except (LookupError, QueueFullError, ValueError) as exc:
+            code = (grpc.StatusCode.UNAVAILABLE if isinstance(exc, LookupError) else  # no rank ready
+                    grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, QueueFullError) else
+                    grpc.StatusCode.INVALID_ARGUMENT)
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                span.end()
+            context.abort(code, str(exc))
         context.add_callback(lambda: self.table.abort(rid))  # client cancel or deadline: free its KV
         yield from self._stream(rid, handle, sampling.stop, context, arrived)
+
+    def _request_span(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Span:
+        """The request's span (gen_ai conventions), a child of the client's W3C context if it sent one."""
+        parent = extract({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
+        span = self.tracing.start_span(f"text_completion {self.model_name}", parent, SpanKind.SERVER)
+        sp = request.sampling
+        span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.system": "modeserve",
+                             "gen_ai.request.model": self.model_name, "gen_ai.request.max_tokens": sp.max_new_tokens,
+                             "gen_ai.request.temperature": sp.temperature})
+        return span
 
     def _observe(self, tokens: int, last: float | None, arrived: float) -> float:
         """A message of ``tokens`` tokens reached the stream now: the first one's time to first
@@ -88,11 +107,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 upd = handle.updates.get(timeout=0.5)
             except queue.Empty:
                 if not context.is_active():
+                    if handle.span is not None:
+                        handle.span.set_status(Status(StatusCode.ERROR, "client went away"))
+                        handle.span.end()
                     return
                 continue
             tokens = list(upd.token_ids)
             num_out += len(tokens)
             if tokens:
+                if last is None and handle.span is not None:
+                    handle.span.set_attribute("gen_ai.server.time_to_first_token", time.perf_counter() - arrived)
                 last = self._observe(len(tokens), last, arrived)
             delta = text.push(tokens) if text is not None else ""
             if upd.finish_reason is None:
@@ -104,6 +128,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 delta += text.finish()
             if self.metrics is not None:
                 self.metrics.requests.labels(finish_reason=upd.finish_reason).inc()
+            if handle.span is not None:
+                handle.span.set_attributes({"gen_ai.usage.output_tokens": num_out,
+                                            "gen_ai.response.finish_reasons": [upd.finish_reason]})
+                handle.span.end()
             req = handle.req
             usage = generate_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_out,
                                        cached_tokens=req.num_cached_prompt_tokens)

@@ -12,6 +12,7 @@ from modeserve.service.dispatch import Dispatcher
 from modeserve.service.engine_loop import EngineLoop, RequestHandle
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 from modeserve.service.metrics import MetricsServer
+from modeserve.service.tracing import Tracing
 from modeserve.service.rank_table import RankSpec, RankTable
 from modeserve.service.request_params import RequestLimits
 from modeserve.service.router import GENERATE_SERVICE, GenerateServicer
@@ -23,6 +24,7 @@ class RouterApp:
     servicer: GenerateServicer
     table: RankTable
     metrics: MetricsServer
+    tracing: Tracing
 
     @property
     def port(self) -> int:
@@ -36,6 +38,7 @@ class RouterApp:
         self.server.shutdown(grace).wait()
         self.table.close()
         self.metrics.stop()
+        self.tracing.shutdown()
 
 
 def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
@@ -45,16 +48,19 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
     print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
     code = serve_until_signal(app.server, grace)
     app.table.close()
+    app.tracing.shutdown()
     return code
 
 
 def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, limits: RequestLimits,
-                 model_name: str, eos_token_ids: Sequence[int], metrics_port: int | None = None) -> RouterApp:
+                 model_name: str, eos_token_ids: Sequence[int], metrics_port: int | None = None,
+                 tracing: Tracing | None = None) -> RouterApp:
     """Serve Generate (and Admin, over the same table) on ``address``; /metrics on ``metrics_port``."""
     metrics = MetricsServer(table.samples, router=True)
     if metrics_port is not None:
         metrics.start(metrics_port)
-    servicer = GenerateServicer(tokenizer, table, limits, model_name, eos_token_ids, metrics.requests)
+    tracing = tracing or Tracing("router")
+    servicer = GenerateServicer(tokenizer, table, limits, model_name, eos_token_ids, metrics.requests, tracing)
     admin = AdminServicer(table)
     server = create_grpc_server(
         address,
@@ -62,7 +68,7 @@ def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, li
          lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
         [GENERATE_SERVICE, ADMIN_SERVICE],
     )
-    return RouterApp(server, servicer, table, metrics)
+    return RouterApp(server, servicer, table, metrics, tracing)
 
 
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
@@ -73,10 +79,12 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
     from modeserve.service.transport import InProcessTransport
 
     llm = LLM(model=model, **engine_kwargs)
+    tracing = Tracing("router", dp_rank=0)
 
     def connect(rank: int, address: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
         loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
-                          max_queued_requests=max_queued_requests, name=f"rank{rank}", on_failure=on_failure)
+                          max_queued_requests=max_queued_requests, name=f"rank{rank}", on_failure=on_failure,
+                          tracing=tracing, dp_rank=rank)
         loop.start()
         return loop
 
@@ -90,4 +98,5 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
         max_prompt_chars=64 * llm.runner.max_context,
     )
     eos = llm.scheduler.stop.eos_token_ids
-    return start_router(address, table, llm.tokenizer, limits, llm.model_config.name, sorted(eos), metrics_port)
+    return start_router(address, table, llm.tokenizer, limits, llm.model_config.name, sorted(eos), metrics_port,
+                        tracing)

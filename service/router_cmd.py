@@ -21,6 +21,7 @@ from modeserve.service.dispatch import POLICIES, Dispatcher
 from modeserve.service.engine_loop import EngineLoop, RequestHandle
 from modeserve.service.lockstep import LockstepGroup
 from modeserve.service.rank_table import RankSpec, RankTable
+from modeserve.service.tracing import Tracing
 from modeserve.service.grpc_common import MAX_MESSAGE_BYTES
 from modeserve.service.request_params import RequestLimits
 from modeserve.service.router_app import RouterApp, start_router
@@ -73,7 +74,7 @@ def engine_loop(address: str, channel: grpc.Channel, desc: engine_pb2.EngineDesc
                 sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
                 decode: Callable[[list[int]], str] | None = None,
                 on_failure: Callable[[EngineLoop, list[RequestHandle]], None] | None = None,
-                lockstep: LockstepGroup | None = None) -> EngineLoop:
+                lockstep: LockstepGroup | None = None, tracing: Tracing | None = None) -> EngineLoop:
     """A scheduler sized by the engine's description, driving it over one Forward stream."""
     cfg = dataclasses.replace(sched_cfg, max_running_requests=min(sched_cfg.max_running_requests,
                                                                   desc.max_running_requests))
@@ -82,7 +83,7 @@ def engine_loop(address: str, channel: grpc.Channel, desc: engine_pb2.EngineDesc
                           eos_token_ids=tuple(desc.eos_token_ids), decode=decode)
     return EngineLoop(scheduler, GrpcTransport(channel), overlap=overlap, max_queued_requests=max_queued,
                       name=address, on_failure=on_failure, lockstep=lockstep,
-                      graph_batch_sizes=list(desc.cuda_graph_batch_sizes))
+                      graph_batch_sizes=list(desc.cuda_graph_batch_sizes), tracing=tracing, dp_rank=desc.dp_rank)
 
 
 def connect_engine(address: str, sched_cfg: SchedulerConfig, overlap: bool, max_queued: int,
@@ -112,13 +113,14 @@ def start_remote_router(address: str, engines: list[str], model: str | None, sch
     tokenizer: Tokenizer | None = load_tokenizer(source) if source else None
     decode = tokenizer.decode if tokenizer is not None else None
     group = LockstepGroup() if lockstep else None
+    tracing = Tracing("router")
 
     def connect(rank: int, addr: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
         channel, d = describe_engine(addr, wait)
         if d.model != desc.model or d.vocab_size != desc.vocab_size:
             raise ValueError(f"engine {addr} serves {d.model!r}, the router serves {desc.model!r}")
         loop = engine_loop(addr, channel, d, sched_cfg, overlap and not lockstep, max_queued_requests, decode,
-                           on_failure, group)
+                           on_failure, group, tracing)
         loop.start()
         return loop
 
@@ -127,7 +129,8 @@ def start_remote_router(address: str, engines: list[str], model: str | None, sch
     table.wait_ready(wait + 30)
     limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
-    return start_router(address, table, tokenizer, limits, desc.model, list(desc.eos_token_ids), metrics_port)
+    return start_router(address, table, tokenizer, limits, desc.model, list(desc.eos_token_ids), metrics_port,
+                        tracing)
 
 
 def run(args: argparse.Namespace) -> int:

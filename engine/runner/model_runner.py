@@ -48,6 +48,7 @@ class ModelRunner:
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
                                ckpt.config.max_position_embeddings)
         self._inputs_consumed: torch.cuda.Event | None = None
+        self.last_graph_bucket: int | None = None  # the CUDA-graph bucket the last step replayed (None: eager)
         self._init_model(ckpt, progress)
         self._init_memory()
         self._init_attention()
@@ -114,6 +115,7 @@ class ModelRunner:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
             self.slots.update(upd)
+        self.last_graph_bucket = None
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
             if batch.padded_batch_size > 0 and self.graphs is not None:
                 self._replay_padding_only(batch)  # lockstep: the other ranks replay this bucket too
@@ -138,10 +140,12 @@ class ModelRunner:
             req_to_page_cpu=self.slots.req_to_page,
         )
         bucket = None
+        self.last_graph_bucket = None
         if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
             bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:
             assert self.graphs is not None
+            self.last_graph_bucket = bucket
             self.graphs.prepare(inputs, input_ids, positions, bucket)
             self._mark_inputs_consumed()
             return self.graphs.replay(bucket, batch.batch_size)  # decode: every row samples
@@ -156,6 +160,7 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(ForwardMode.DECODE, batch.padded_batch_size)
         if bucket is None:
             return
+        self.last_graph_bucket = bucket
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         inputs = AttentionInputs(forward_mode=ForwardMode.IDLE, req_pool_indices=empty, prefix_lens_cpu=[],
                                  extend_lens_cpu=[], seq_lens=empty, out_cache_loc=empty,

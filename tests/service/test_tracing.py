@@ -1,0 +1,115 @@
+"""OpenTelemetry traces through a real OTLP/gRPC receiver: one trace covers client -> router request
+span -> router step span -> engine forward span, with gen_ai attributes on the request and the
+forward mode on the steps; with no OTEL endpoint nothing is traced."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Iterator
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry import trace
+
+from modeserve.engine.config import EngineConfig, SchedulerConfig
+from modeserve.engine.models.loader import open_checkpoint
+from modeserve.engine.runner.model_runner import ModelRunner
+from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
+from modeserve.service.engine_server import create_engine_server
+from modeserve.service.router_cmd import start_remote_router
+from modeserve.service.tracing import Tracing
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """A minimal OTLP trace collector: keeps every span it is sent, with its resource."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[dict[str, Any], Any]] = []
+
+    def Export(self, request: Any, context: Any) -> Any:
+        for rs in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                self.spans.extend((resource, s) for s in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+def attrs(span: Any) -> dict[str, Any]:
+    return {a.key: _value(a.value) for a in span.attributes}
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
+    rec = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "modeserve-test")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    yield rec
+    server.stop(0)
+
+
+def test_one_trace_from_client_to_engine(receiver: Receiver, tiny_model: Path) -> None:
+    cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=2048)
+    runner = ModelRunner(cfg.runner, open_checkpoint(tiny_model))
+    engine = create_engine_server(runner, "127.0.0.1:0", model_path=str(tiny_model), dp_rank=2)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, SchedulerConfig())
+    client_tracer = TracerProvider().get_tracer("test-client")  # the client's own SDK, not exported
+    with client_tracer.start_as_current_span("client call") as client_span:
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(client_span))
+    stub = generate_pb2_grpc.GenerateStub(grpc.insecure_channel(f"127.0.0.1:{app.port}"))
+    req = generate_pb2.GenerateRequest(token_ids=[5, 6, 7, 8, 9],
+                                       sampling=generate_pb2.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    tokens = [t for msg in stub.Generate(req, metadata=list(carrier.items())) for t in msg.token_ids]
+    assert len(tokens) == 4
+    app.stop(grace=1)  # flushes the router's spans
+    engine.server.stop(1)
+    deadline = time.time() + 10
+    while time.time() < deadline and not any(s.name == "modeserve.forward" for _, s in receiver.spans):
+        time.sleep(0.05)  # the engine's provider flushes on its batch timer
+    spans = {s.name.split(" ")[0]: (r, s) for r, s in receiver.spans}
+    trace_id = client_span.get_span_context().trace_id.to_bytes(16, "big")
+    (res_req, request), (_, step) = spans["text_completion"], spans["modeserve.step"]
+    forward = [s for _, s in receiver.spans if s.name == "modeserve.forward"]
+    assert request.trace_id == trace_id and request.parent_span_id == client_span.get_span_context().span_id.to_bytes(8, "big")
+    a = attrs(request)
+    assert a["gen_ai.request.model"] and a["gen_ai.usage.input_tokens"] == 5 and a["gen_ai.usage.output_tokens"] == 4
+    assert a["gen_ai.response.finish_reasons"] == ["length"] and a["gen_ai.server.time_to_first_token"] > 0
+    assert res_req["service.name"] == "modeserve-test" and res_req["deployment.environment"] == "ci"
+    # every step of this request is in its trace: router step spans under the request span, engine
+    # forward spans under the step spans, and the request span links to its steps
+    steps = [s for _, s in receiver.spans if s.name == "modeserve.step"]
+    assert len(steps) >= 4 and all(s.trace_id == trace_id and s.parent_span_id == request.span_id for s in steps)
+    assert {attrs(s)["modeserve.forward_mode"] for s in steps} >= {"EXTEND", "DECODE"}
+    assert {bytes(l.span_id) for l in request.links} == {s.span_id for s in steps}
+    step_ids = {s.span_id for s in steps}
+    assert len(forward) == len(steps) and all(f.trace_id == trace_id and f.parent_span_id in step_ids for f in forward)
+    fa = attrs(forward[-1])
+    assert fa["modeserve.forward_mode"] == "DECODE" and fa["modeserve.dp_rank"] == 2 and fa["modeserve.batch_size"] == 1
+    assert fa["modeserve.cuda_graph"] is False and fa["modeserve.padded_batch_size"] == 1 and fa["modeserve.num_tokens"] == 1
+    assert attrs(step)["modeserve.batch_size"] == 1
+
+
+def test_tracing_off_without_endpoint() -> None:
+    tr = Tracing("router", env={})
+    assert not tr.enabled
+    assert not tr.start_span("x").get_span_context().is_valid
+    assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
