@@ -17,7 +17,7 @@ from typing import Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.runner.host_io import PendingResult
@@ -27,7 +27,7 @@ from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.scheduler.stats import ForwardModeStats
 from modeserve.service.convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
 from modeserve.service.metrics import MetricsServer, RankSample
-from modeserve.service.tracing import Tracing, extract
+from modeserve.service.tracing import Tracing, start_forward_span
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 
 logger = logging.getLogger(__name__)
@@ -191,15 +191,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """The step's ``modeserve.forward`` span, a child of the router's step (None when off)."""
         if not self.tracing.enabled:
             return None
-        span = self.tracing.start_span("modeserve.forward", extract(msg.trace_context), SpanKind.SERVER)
-        batch_size = len(msg.req_pool_indices) // 8
-        bucket = self._runner.last_graph_bucket
-        span.set_attributes({
-            "modeserve.forward_mode": ForwardMode(msg.forward_mode).name, "modeserve.batch_size": batch_size,
-            "modeserve.num_tokens": len(msg.input_ids) // 8, "modeserve.cuda_graph": bucket is not None,
-            "modeserve.padded_batch_size": bucket if bucket is not None else batch_size,
-            "modeserve.dp_rank": self._description.dp_rank, "modeserve.step": msg.step})
-        return span
+        return start_forward_span(self.tracing, msg.trace_context, ForwardMode(msg.forward_mode).name,
+                                  len(msg.req_pool_indices) // 8, len(msg.input_ids) // 8,
+                                  self._runner.last_graph_bucket, self._description.dp_rank, msg.step)
 
     def _finish(self, msg: forward_pb2.ForwardBatch, start: float, launched: PendingResult[ForwardResult],
                 span: Span | None = None) -> forward_pb2.ForwardResult:

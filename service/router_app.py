@@ -73,16 +73,16 @@ def start_router(address: str, table: RankTable, tokenizer: Tokenizer | None, li
 
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
                 max_new_tokens_limit: int | None = None, metrics_port: int | None = None,
-                **engine_kwargs: object) -> RouterApp:
+                tracing: Tracing | None = None, **engine_kwargs: object) -> RouterApp:
     """One process: router + scheduler + engine with the in-process transport."""
     from modeserve.engine.llm import LLM
     from modeserve.service.transport import InProcessTransport
 
     llm = LLM(model=model, **engine_kwargs)
-    tracing = Tracing("router", dp_rank=0)
+    tracing = tracing or Tracing("router", dp_rank=0)
 
     def connect(rank: int, address: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
-        loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
+        loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner, tracing, rank), overlap=overlap,
                           max_queued_requests=max_queued_requests, name=f"rank{rank}", on_failure=on_failure,
                           tracing=tracing, dp_rank=rank)
         loop.start()

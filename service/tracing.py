@@ -14,12 +14,15 @@ Each process owns its provider (nothing is installed globally). Trace context tr
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -33,9 +36,11 @@ def tracing_requested(env: Mapping[str, str]) -> bool:
 class Tracing:
     """A process's tracer (or nothing, when tracing is off)."""
 
-    def __init__(self, component: str, dp_rank: int | None = None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, component: str, dp_rank: int | None = None, env: Mapping[str, str] | None = None,
+                 exporter: SpanExporter | None = None) -> None:
+        """``exporter``: where spans go instead of OTLP (tests: an in-memory exporter; turns tracing on)."""
         env = os.environ if env is None else env
-        self.enabled = tracing_requested(env)
+        self.enabled = exporter is not None or tracing_requested(env)
         self._provider: object = None
         self.tracer: Tracer = trace.NoOpTracer()
         if not self.enabled:
@@ -43,7 +48,7 @@ class Tracing:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         attributes: dict[str, str | int] = {"service.name": env.get("OTEL_SERVICE_NAME", f"modeserve-{component}"),
                                             "modeserve.component": component}
@@ -53,7 +58,10 @@ class Tracing:
             attributes["k8s.pod.name"] = env["POD_NAME"]
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME from the environment
         provider = TracerProvider(resource=Resource.create(attributes))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        if exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        else:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._provider = provider
         self.tracer = provider.get_tracer("modeserve")
 
@@ -78,3 +86,15 @@ def inject(span: Span) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
     return carrier
+
+
+def start_forward_span(tracing: Tracing, trace_context: Mapping[str, str], mode: str, batch_size: int,
+                       num_tokens: int, graph_bucket: int | None, dp_rank: int, step: int) -> Span:
+    """The engine's ``modeserve.forward`` span of one step, a child of the router's step span."""
+    span = tracing.start_span("modeserve.forward", extract(trace_context), SpanKind.SERVER)
+    span.set_attributes({
+        "modeserve.forward_mode": mode, "modeserve.batch_size": batch_size, "modeserve.num_tokens": num_tokens,
+        "modeserve.cuda_graph": graph_bucket is not None,
+        "modeserve.padded_batch_size": graph_bucket if graph_bucket is not None else batch_size,
+        "modeserve.dp_rank": dp_rank, "modeserve.step": step})
+    return span

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import grpc
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+from modeserve.service.tracing import Tracing, start_forward_span
 
 
 class TransportError(RuntimeError):
@@ -45,8 +46,10 @@ def _reraise(exc: BaseException) -> ForwardResult:
 class InProcessTransport(EngineTransport):
     """Runs batches on a local ``ModelRunner`` in a worker thread (so scheduling overlaps compute)."""
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: object, tracing: Tracing | None = None, dp_rank: int = 0) -> None:
         self._runner = runner
+        self._tracing = tracing
+        self._dp_rank = dp_rank
         self._inbox: queue.Queue[object] = queue.Queue()
         self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
@@ -78,9 +81,21 @@ class InProcessTransport(EngineTransport):
 
     def _launch(self, batch: ForwardBatch) -> Callable[[], ForwardResult]:
         try:
-            return self._runner.launch(batch).result  # type: ignore[attr-defined, no-any-return]
+            pending = self._runner.launch(batch)  # type: ignore[attr-defined]
         except BaseException as exc:
             return functools.partial(_reraise, exc)
+        if self._tracing is None or not self._tracing.enabled:
+            return pending.result  # type: ignore[no-any-return]
+        span = start_forward_span(self._tracing, batch.trace_context, batch.forward_mode.name, batch.batch_size,
+                                  batch.num_tokens, self._runner.last_graph_bucket,  # type: ignore[attr-defined]
+                                  self._dp_rank, batch.step)
+
+        def result() -> ForwardResult:
+            try:
+                return pending.result()  # type: ignore[no-any-return]
+            finally:
+                span.end()
+        return result
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)

@@ -113,3 +113,102 @@ def test_tracing_off_without_endpoint() -> None:
     assert not tr.enabled
     assert not tr.start_span("x").get_span_context().is_valid
     assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
+
+
+def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
+    """One request prefilled in chunks then decoded (EXTEND -> DECODE), a second arriving while it
+    decodes (a MIXED step): every step is one step span and one forward span labelled by its mode."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.client import GenerateClient
+    from modeserve.service.router_app import start_serve
+
+    exporter = InMemorySpanExporter()
+    app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
+                      chunked_prefill_size=8, enable_mixed=True, max_prefill_ratio=0.9, page_size=4)
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        stream = client.stream(token_ids=list(range(3, 23)), max_new_tokens=40, ignore_eos=True)
+        first = next(iter(stream))  # decoding now
+        second = client.generate(token_ids=list(range(30, 42)), max_new_tokens=3, ignore_eos=True)
+        rest = [t for msg in stream for t in msg.token_ids]
+        assert len(first.token_ids) + len(rest) == 40 and len(second.token_ids) == 3
+    finally:
+        client.close()
+        app.stop(grace=1)
+    spans = exporter.get_finished_spans()
+    steps = [s for s in spans if s.name == "modeserve.step"]
+    forwards = [s for s in spans if s.name == "modeserve.forward"]
+    stats = app.loops[0].scheduler.stats.get_stats()["mode_distribution"]
+    count = lambda ss: {m: sum(1 for s in ss if s.attributes["modeserve.forward_mode"] == m) for m in stats}  # noqa: E731
+    assert count(steps) == count(forwards) == stats
+    assert stats["EXTEND"] >= 3 and stats["MIXED"] >= 1 and stats["DECODE"] > 30  # chunks of 8 over 20 tokens
+    requests = [s for s in spans if s.name.startswith("text_completion")]
+    assert len(requests) == 2 and all(s.attributes["gen_ai.usage.output_tokens"] in (40, 3) for s in requests)
+    mixed = [s for s in steps if s.attributes["modeserve.forward_mode"] == "MIXED"]
+    assert all(s.attributes["modeserve.batch_size"] == 2 for s in mixed)
+    assert all(len(s.links) == 1 for s in mixed)  # the other request of the step
+
+
+def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_model: Path) -> None:
+    """``modeserve serve`` as a subprocess with OTEL_EXPORTER_OTLP_ENDPOINT: the client's span is the
+    parent of the request span, whose step spans carry their modes; /metrics scraped while requests
+    run, and after, matches the per-mode statistics ModelInfo reports."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from modeserve.service.client import GenerateClient
+    from tests.service.test_metrics import by_mode, scrape
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "serve", "--model", str(tiny_model),
+                             "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
+                             "--chunked-prefill-size", "8", "--enable-mixed"],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        address = f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+        client_tracer = TracerProvider().get_tracer("test-client")
+        with client_tracer.start_as_current_span("client call") as client_span:
+            carrier: dict[str, str] = {}
+            TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(client_span))
+        stub = generate_pb2_grpc.GenerateStub(grpc.insecure_channel(address))
+        req = generate_pb2.GenerateRequest(token_ids=list(range(3, 30)),
+                                           sampling=generate_pb2.SamplingParams(max_new_tokens=600, ignore_eos=True))
+        during: list[dict] = []
+
+        def scrape_while_running() -> None:
+            time.sleep(0.1)
+            during.append(scrape(metrics_port))
+
+        scraper = threading.Thread(target=scrape_while_running)
+        scraper.start()
+        tokens = [t for msg in stub.Generate(req, metadata=list(carrier.items())) for t in msg.token_ids]
+        scraper.join()
+        assert len(tokens) == 600
+        client = GenerateClient(address)
+        info = {m.mode: m.steps for m in client.model_info().mode_stats}
+        client.close()
+        after = by_mode(scrape(metrics_port), "modeserve_forward_steps_total", dp_rank="0")
+        assert after == {m: float(n) for m, n in info.items()} and info["EXTEND"] >= 4
+        mid = by_mode(during[0], "modeserve_forward_steps_total", dp_rank="0")
+        assert 0 < mid.get("DECODE", 0) < after["DECODE"]  # scraped mid-run: counters were moving
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    trace_id = client_span.get_span_context().trace_id.to_bytes(16, "big")
+    mine = [s for _, s in receiver.spans if s.trace_id == trace_id]
+    request = next(s for s in mine if s.name.startswith("text_completion"))
+    assert request.parent_span_id == client_span.get_span_context().span_id.to_bytes(8, "big")
+    steps = [s for s in mine if s.name == "modeserve.step"]
+    modes = [attrs(s)["modeserve.forward_mode"] for s in steps]
+    assert modes.count("EXTEND") == info["EXTEND"] and modes.count("DECODE") == info["DECODE"]
+    assert len([s for s in mine if s.name == "modeserve.forward"]) == len(steps)
