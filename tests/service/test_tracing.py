@@ -182,25 +182,32 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
             TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(client_span))
         stub = generate_pb2_grpc.GenerateStub(grpc.insecure_channel(address))
         req = generate_pb2.GenerateRequest(token_ids=list(range(3, 30)),
-                                           sampling=generate_pb2.SamplingParams(max_new_tokens=600, ignore_eos=True))
+                                           sampling=generate_pb2.SamplingParams(max_new_tokens=220, ignore_eos=True))
         during: list[dict] = []
+        streaming = threading.Event()
 
         def scrape_while_running() -> None:
-            time.sleep(0.1)
-            during.append(scrape(metrics_port))
+            streaming.wait(10)
+            while streaming.is_set():
+                during.append(scrape(metrics_port))
+                time.sleep(0.01)
 
         scraper = threading.Thread(target=scrape_while_running)
         scraper.start()
-        tokens = [t for msg in stub.Generate(req, metadata=list(carrier.items())) for t in msg.token_ids]
+        tokens: list[int] = []
+        for msg in stub.Generate(req, metadata=list(carrier.items())):
+            tokens += msg.token_ids
+            streaming.set()
+        streaming.clear()
         scraper.join()
-        assert len(tokens) == 600
+        assert len(tokens) == 220
         client = GenerateClient(address)
         info = {m.mode: m.steps for m in client.model_info().mode_stats}
         client.close()
         after = by_mode(scrape(metrics_port), "modeserve_forward_steps_total", dp_rank="0")
         assert after == {m: float(n) for m, n in info.items()} and info["EXTEND"] >= 4
-        mid = by_mode(during[0], "modeserve_forward_steps_total", dp_rank="0")
-        assert 0 < mid.get("DECODE", 0) < after["DECODE"]  # scraped mid-run: counters were moving
+        mids = [by_mode(d, "modeserve_forward_steps_total", dp_rank="0").get("DECODE", 0) for d in during]
+        assert any(0 < m < after["DECODE"] for m in mids), mids  # scraped mid-run: counters were moving
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
