@@ -36,6 +36,16 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("--threads", type=int, default=1,
                      help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
     srv.set_defaults(func=run_serving)
+    tr = kinds.add_parser("tracing", help="decode step with tracing on (100% sampled, OTLP) vs off")
+    tr.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")
+    tr.add_argument("--shape", default="tiny")
+    tr.add_argument("--device", default="cpu")
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--prompt-len", type=int, default=16)
+    tr.add_argument("--steps", type=int, default=200)
+    tr.add_argument("--repeats", type=int, default=3)
+    tr.add_argument("--threads", type=int, default=1)
+    tr.set_defaults(func=run_tracing)
     dp = kinds.add_parser("dp", help="output tokens/s through one router over 1, 2, 4 CPU engine processes")
     dp.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")
     dp.add_argument("--shape", default="tiny")
@@ -79,6 +89,13 @@ def _gpu_bench_args(p: argparse.ArgumentParser) -> None:
 
 def run_latency(args: argparse.Namespace) -> int:
     from modeserve.service.bench_latency import run
+
+    print(json.dumps(run(args)))
+    return 0
+
+
+def run_tracing(args: argparse.Namespace) -> int:
+    from modeserve.service.bench_tracing import run
 
     print(json.dumps(run(args)))
     return 0

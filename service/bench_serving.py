@@ -19,25 +19,32 @@ import torch
 from modeserve.engine.config import SchedulerConfig
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.engine_loop import EngineLoop
+from modeserve.service.tracing import Tracing
 
 
-def _run_batch(loop: EngineLoop, batch_size: int, prompt_len: int, new_tokens: int) -> float:
-    """Seconds for ``batch_size`` requests of ``new_tokens`` tokens each, submitted together."""
+def _run_batch(loop: EngineLoop, batch_size: int, prompt_len: int, new_tokens: int,
+               tracing: Tracing | None = None) -> float:
+    """Seconds for ``batch_size`` requests of ``new_tokens`` tokens each, submitted together (each
+    with a request span, as the router makes, when ``tracing`` is on)."""
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
+    spans = [tracing.start_span("text_completion bench") if tracing is not None else None for _ in range(batch_size)]
     handles = [loop.submit(loop.make_request(f"b{batch_size}-{i}-{time.monotonic_ns()}",
-                                             [3 + (i + j) % 200 for j in range(prompt_len)], sp))
+                                             [3 + (i + j) % 200 for j in range(prompt_len)], sp), spans[i])
                for i in range(batch_size)]
     for h in handles:  # drained one request at a time: the consumer wakes rarely during decode
         while h.updates.get(timeout=300).finish_reason is None:
             pass
+        if h.span is not None:
+            h.span.end()
     return time.perf_counter() - start
 
 
-def _measure(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int) -> float:
+def measure_decode_us(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int,
+                      tracing: Tracing | None = None) -> float:
     """Microseconds per decode step: (time with ``steps`` more tokens - time with one) / steps."""
-    return (_run_batch(loop, batch_size, prompt_len, steps + 1) - _run_batch(loop, batch_size, prompt_len, 1)) \
-        / steps * 1e6
+    return (_run_batch(loop, batch_size, prompt_len, steps + 1, tracing)
+            - _run_batch(loop, batch_size, prompt_len, 1, tracing)) / steps * 1e6
 
 
 def _local_loop(model: str, overlap: bool, engine_args: dict[str, Any]) -> EngineLoop:
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(args.repeats + 1):  # round 0 warms up; rounds interleave the configurations
         for (transport, overlap), loop in loops.items():
             for bs in batch_sizes:
-                value = _measure(loop, bs, args.prompt_len, args.steps if rep else 8)
+                value = measure_decode_us(loop, bs, args.prompt_len, args.steps if rep else 8)
                 if rep:
                     samples.setdefault((transport, overlap, bs), []).append(value)
     for loop in loops.values():

@@ -260,11 +260,12 @@ class EngineLoop:
             with self._sched_lock:
                 self._process(step, started, span, result)
 
-    MAX_STEP_LINKS = 64  # step spans linked from one request span (the SDK keeps at most 128 links)
+    MAX_STEP_LINKS = 16  # links kept per span: a request's first steps, a step's first other requests
 
     def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, Span | None]:
         """With tracing on: a ``modeserve.step`` span in the trace of the step's first traced request
-        (linked to the others', which link back to it), its context sent along in the batch."""
+        (linked to the others', which link back to it), its context sent along in the batch; with the
+        engine in this process that span is the step's ``modeserve.forward`` span itself."""
         if self.tracing is None or not self.tracing.enabled or not step.reqs:
             return batch, None
         with self._lock:
@@ -273,14 +274,16 @@ class EngineLoop:
             return batch, None
         parent = trace.set_span_in_context(handles[0].span)  # type: ignore[arg-type]
         links = [Link(h.span.get_span_context()) for h in handles[1:1 + self.MAX_STEP_LINKS]]  # type: ignore[union-attr]
-        span = self.tracing.start_span("modeserve.step", parent, SpanKind.CLIENT, links)
-        span.set_attributes({"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-                             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank,
-                             "modeserve.step": batch.step})
+        span = self.tracing.start_span("modeserve.step", parent, SpanKind.CLIENT, links, attributes={
+            "modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+            "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank, "modeserve.step": batch.step})
         for h in handles:
             if h.step_links < self.MAX_STEP_LINKS:
                 h.span.add_link(span.get_span_context())  # type: ignore[union-attr]
                 h.step_links += 1
+        if self.transport.attach_step_span(batch.step, span):  # the engine is here: one span per step
+            span.update_name("modeserve.forward")
+            return batch, span
         return dataclasses.replace(batch, trace_context=inject(span)), span
 
     def _graph_rows(self, step: ScheduledStep | None) -> int:

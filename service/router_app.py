@@ -82,7 +82,7 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
     tracing = tracing or Tracing("router", dp_rank=0)
 
     def connect(rank: int, address: str, on_failure: Callable[[EngineLoop, list[RequestHandle]], None]) -> EngineLoop:
-        loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner, tracing, rank), overlap=overlap,
+        loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap,
                           max_queued_requests=max_queued_requests, name=f"rank{rank}", on_failure=on_failure,
                           tracing=tracing, dp_rank=rank)
         loop.start()

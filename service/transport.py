@@ -14,9 +14,10 @@ import threading
 from typing import Callable, Iterator
 
 import grpc
+from opentelemetry.trace import Span
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
-from modeserve.service.tracing import Tracing, start_forward_span
+from modeserve.service.tracing import forward_attributes
 
 
 class TransportError(RuntimeError):
@@ -35,6 +36,12 @@ class EngineTransport(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    def attach_step_span(self, step: int, span: Span) -> bool:
+        """Hand the scheduler's span of ``step`` to an engine in this process, which fills in what only
+        it knows (CUDA graph, padding): then that one span is the step's ``modeserve.forward`` span.
+        False where the engine is elsewhere (it makes its own span from the batch's trace context)."""
+        return False
+
 
 _CLOSE = object()
 
@@ -46,10 +53,10 @@ def _reraise(exc: BaseException) -> ForwardResult:
 class InProcessTransport(EngineTransport):
     """Runs batches on a local ``ModelRunner`` in a worker thread (so scheduling overlaps compute)."""
 
-    def __init__(self, runner: object, tracing: Tracing | None = None, dp_rank: int = 0) -> None:
+    def __init__(self, runner: object) -> None:
         self._runner = runner
-        self._tracing = tracing
-        self._dp_rank = dp_rank
+        self._spans: dict[int, Span] = {}  # step -> the scheduler's span of it (tracing on)
+        self._spans_lock = threading.Lock()
         self._inbox: queue.Queue[object] = queue.Queue()
         self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
@@ -84,18 +91,17 @@ class InProcessTransport(EngineTransport):
             pending = self._runner.launch(batch)  # type: ignore[attr-defined]
         except BaseException as exc:
             return functools.partial(_reraise, exc)
-        if self._tracing is None or not self._tracing.enabled:
-            return pending.result  # type: ignore[no-any-return]
-        span = start_forward_span(self._tracing, batch.trace_context, batch.forward_mode.name, batch.batch_size,
-                                  batch.num_tokens, self._runner.last_graph_bucket,  # type: ignore[attr-defined]
-                                  self._dp_rank, batch.step)
+        with self._spans_lock:
+            span = self._spans.pop(batch.step, None)
+        if span is not None:
+            bucket = self._runner.last_graph_bucket  # type: ignore[attr-defined]
+            span.set_attributes(forward_attributes(bucket, batch.batch_size))
+        return pending.result  # type: ignore[no-any-return]
 
-        def result() -> ForwardResult:
-            try:
-                return pending.result()  # type: ignore[no-any-return]
-            finally:
-                span.end()
-        return result
+    def attach_step_span(self, step: int, span: Span) -> bool:
+        with self._spans_lock:
+            self._spans[step] = span
+        return True
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)

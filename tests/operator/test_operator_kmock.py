@@ -12,12 +12,16 @@ no controllers (the test creates and changes the engine pods itself), no label-s
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+import attrs
+import jsonpatch
+import kmock
 import kopf
 import pytest
 import pytest_asyncio
@@ -41,7 +45,56 @@ RESOURCES = {ES: "EngineSet", STS: "StatefulSet", "apps/v1/deployments": "Deploy
 OWNED = [(STS, f"{NAME}-engine"), ("apps/v1/deployments", f"{NAME}-router"), ("v1/services", NAME),
          ("v1/services", f"{NAME}-engine")]
 
-pytestmark = pytest.mark.asyncio
+
+
+@attrs.define(kw_only=True)
+class VersionedEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus what kopf's bookkeeping relies on: ``metadata.resourceVersion`` changes
+    on every write, ``metadata.generation`` on every spec write, and a JSON patch whose ``test`` of
+    the resourceVersion fails is a 422 (kmock 0.8 keeps the versions it is given, so kopf would take
+    its own earlier events for new ones and re-run handlers, and answers a failed test with a 500,
+    which kopf retries unchanged)."""
+    _revision: int = attrs.field(default=1, init=False)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            self._stamp(request)  # in place: the request is frozen, its parsed body is not
+        try:
+            return await super()._handle(request)
+        except jsonpatch.JsonPatchTestFailed as exc:  # the API server's answer to a stale "test" op
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+
+    def _stamp(self, request: kmock.Request) -> None:
+        self._revision += 1
+        version = str(self._revision)
+        if request.action == kmock.action.CREATE:
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("generation", 1)
+            meta["resourceVersion"] = version
+            return
+        key = (request.resource, request.namespace, request.name)
+        current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else {}
+        generation = int((current.get("metadata") or {}).get("generation") or 1)
+        if isinstance(request.data, list):  # JSON patch
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+            if any(str(op.get("path", "")).startswith("/spec") for op in request.data):
+                request.data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
+            return
+        meta = request.data.setdefault("metadata", {})
+        meta["resourceVersion"] = version
+        if "spec" in request.data and request.subresource != "status":
+            meta["generation"] = generation + 1
+
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=VersionedEmulator)]
+
+
+def read(kmock: Any, resource: str, name: str) -> dict[str, Any] | None:
+    """The object's current state as plain JSON (None: never created, or deleted)."""
+    key = (kmock.resource(resource), None if resource == "v1/namespaces" else NS, name)  # parsed: `in` hashes
+    if key not in kmock.objects or kmock.objects[key].deleted:
+        return None
+    return copy.deepcopy(kmock.objects[key].raw)
 
 
 @dataclass
@@ -65,8 +118,7 @@ class FakeRouter:
         self.reachable = True
 
     def _record(self, method: str, ranks: Sequence[RouterRank] = ()) -> None:
-        sts = self.kmock.objects[STS, NS, f"{NAME}-engine"] if (STS, NS, f"{NAME}-engine") in self.kmock.objects \
-            else None
+        sts = read(self.kmock, STS, f"{NAME}-engine")
         self.calls.append(RouterCall(method, list(ranks), sum(1 for _ in self.kmock),
                                      None if sts is None else sts["spec"]["replicas"]))
 
@@ -102,8 +154,7 @@ class Harness:
 
     async def create(self, **spec: Any) -> None:
         body = {"apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet",
-                "metadata": {"name": NAME, "namespace": NS, "uid": "uid-llama", "generation": 1,
-                             "resourceVersion": "1"},  # kmock assigns neither; kopf's patches test them
+                "metadata": {"name": NAME, "namespace": NS, "uid": "uid-llama"},
                 "spec": {"model": {"path": "/models/smollm2.gguf"}, "replicas": 2, **spec}}
         resp = await self.kmock.post(ES_PATH, json=body)
         assert resp.status < 300, await resp.text()
@@ -122,11 +173,10 @@ class Harness:
         assert resp.status < 300, await resp.text()
 
     def engineset(self) -> dict[str, Any]:
-        return json.loads(json.dumps(dict(self.kmock.objects[ES, NS, NAME])))
+        return read(self.kmock, ES, NAME) or {}
 
     def statefulset(self) -> dict[str, Any] | None:
-        key = (STS, NS, f"{NAME}-engine")
-        return json.loads(json.dumps(dict(self.kmock.objects[key]))) if key in self.kmock.objects else None
+        return read(self.kmock, STS, f"{NAME}-engine")
 
     def replicas(self) -> int | None:
         sts = self.statefulset()
@@ -192,7 +242,7 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
     assert env["DP_SIZE"]["value"] == "3"
     assert container["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Engine"
     assert container["image"] == "modeserve:test"  # the operator's default image
-    objs = {key: await eventually(lambda key=key: harness.kmock.objects.get((key[0], NS, key[1]))) for key in OWNED}
+    objs = {key: await eventually(lambda key=key: read(harness.kmock, *key)) for key in OWNED}
     for obj in objs.values():
         assert obj["metadata"]["ownerReferences"] == [{
             "apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet", "name": NAME, "uid": "uid-llama",
@@ -311,9 +361,8 @@ async def test_router_unreachable_is_reported_and_retried(harness: Harness) -> N
 async def test_delete_removes_the_owned_objects(harness: Harness) -> None:
     await harness.create(replicas=1)
     for key in OWNED:
-        await eventually(lambda key=key: (key[0], NS, key[1]) in harness.kmock.objects
-                         and not harness.kmock.objects[key[0], NS, key[1]].deleted)
+        await eventually(lambda key=key: read(harness.kmock, *key))
     resp = await harness.kmock.delete(f"{ES_PATH}/{NAME}")
     assert resp.status < 300
     for key in [*OWNED, (ES, NAME)]:
-        await eventually(lambda key=key: harness.kmock.objects[key[0], NS, key[1]].deleted)
+        await eventually(lambda key=key: read(harness.kmock, *key) is None)

@@ -72,3 +72,11 @@ def test_gpu_benches_run_on_cpu_with_limits_and_baseline() -> None:
     assert thr.returncode == 0, thr.stderr
     t = json.loads(thr.stdout.strip().splitlines()[-1])
     assert t["output_tokens_per_s"] > 0 and 0 < t["roofline_ratio"] and t["steps_by_mode"]["DECODE"] >= 4
+
+
+def test_bench_tracing_prints_overhead_json() -> None:
+    proc = modeserve("bench", "tracing", "--steps", "16", "--repeats", "1", "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["us_per_decode_step"]["tracing_off"] > 0 and r["us_per_decode_step"]["tracing_on"] > 0
+    assert r["spans_received"] > 16  # the spans really reached the OTLP receiver

@@ -117,7 +117,8 @@ def test_tracing_off_without_endpoint() -> None:
 
 def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     """One request prefilled in chunks then decoded (EXTEND -> DECODE), a second arriving while it
-    decodes (a MIXED step): every step is one step span and one forward span labelled by its mode."""
+    decodes (a MIXED step): every step is one forward span labelled by its mode (the engine is in the
+    router's process, so the scheduler's step span is the forward span)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from modeserve.service.client import GenerateClient
@@ -141,11 +142,13 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     forwards = [s for s in spans if s.name == "modeserve.forward"]
     stats = app.loops[0].scheduler.stats.get_stats()["mode_distribution"]
     count = lambda ss: {m: sum(1 for s in ss if s.attributes["modeserve.forward_mode"] == m) for m in stats}  # noqa: E731
-    assert count(steps) == count(forwards) == stats
+    assert not steps and count(forwards) == stats
+    assert all(s.attributes["modeserve.cuda_graph"] is False and "modeserve.padded_batch_size" in s.attributes
+               for s in forwards)
     assert stats["EXTEND"] >= 3 and stats["MIXED"] >= 1 and stats["DECODE"] > 30  # chunks of 8 over 20 tokens
     requests = [s for s in spans if s.name.startswith("text_completion")]
     assert len(requests) == 2 and all(s.attributes["gen_ai.usage.output_tokens"] in (40, 3) for s in requests)
-    mixed = [s for s in steps if s.attributes["modeserve.forward_mode"] == "MIXED"]
+    mixed = [s for s in forwards if s.attributes["modeserve.forward_mode"] == "MIXED"]
     assert all(s.attributes["modeserve.batch_size"] == 2 for s in mixed)
     assert all(len(s.links) == 1 for s in mixed)  # the other request of the step
 
@@ -215,7 +218,7 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     mine = [s for _, s in receiver.spans if s.trace_id == trace_id]
     request = next(s for s in mine if s.name.startswith("text_completion"))
     assert request.parent_span_id == client_span.get_span_context().span_id.to_bytes(8, "big")
-    steps = [s for s in mine if s.name == "modeserve.step"]
-    modes = [attrs(s)["modeserve.forward_mode"] for s in steps]
+    forwards = [s for s in mine if s.name == "modeserve.forward"]  # serve: the engine is in-process
+    modes = [attrs(s)["modeserve.forward_mode"] for s in forwards]
     assert modes.count("EXTEND") == info["EXTEND"] and modes.count("DECODE") == info["DECODE"]
-    assert len([s for s in mine if s.name == "modeserve.forward"]) == len(steps)
+    assert all(s.parent_span_id == request.span_id for s in forwards)
