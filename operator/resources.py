@@ -91,7 +91,8 @@ def model_path(spec: EngineSetSpec) -> str:
 def engine_args(spec: EngineSetSpec) -> list[str]:
     """The engine command line after ``modeserve``; $(DP_RANK) is expanded by the kubelet."""
     args = ["engine", "--model", model_path(spec), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-            "--dp-rank", "$(DP_RANK)", "--grace-period", str(max(spec.termination_grace_period_seconds - 10, 1))]
+            "--dp-rank", "$(DP_RANK)", "--grace-period", str(max(spec.termination_grace_period_seconds - 10, 1)),
+            "--metrics-port", str(METRICS_PORT)]
     for key, value in sorted(spec.engine.items()):
         flag = "--" + key.replace("_", "-")
         if value.lower() in ("true", "false"):
@@ -176,7 +177,7 @@ def engine_service(es: Obj) -> Obj:
 def router_deployment(es: Obj, spec: EngineSetSpec) -> Obj:
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     args = ["router", "--engines", rank_address(name, ns, 0), "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
-            "--dispatch", spec.dispatch, "--engine-wait", "3600"]
+            "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")
     container: Obj = {

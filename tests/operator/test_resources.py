@@ -49,8 +49,8 @@ def test_engine_statefulset_ranks_probes_and_drain() -> None:
     # the engine's command line is one the real CLI accepts
     args = [a.replace("$(DP_RANK)", "1") for a in c["args"]]
     parsed = build_parser().parse_args(args)
-    assert (parsed.model, parsed.dp_rank, parsed.page_size, parsed.enable_mixed, parsed.device) == (
-        "/models/llama-3.1-8b", 1, 16, True, "cuda")
+    assert (parsed.model, parsed.dp_rank, parsed.page_size, parsed.enable_mixed, parsed.device, parsed.metrics_port) == (
+        "/models/llama-3.1-8b", 1, 16, True, "cuda", res.METRICS_PORT)
 
 
 def test_router_points_at_rank_zero_and_serves_generate() -> None:
@@ -59,6 +59,7 @@ def test_router_points_at_rank_zero_and_serves_generate() -> None:
     c = router["spec"]["template"]["spec"]["containers"][0]
     parsed = build_parser().parse_args(c["args"])
     assert parsed.engines == "llama-engine-0.llama-engine.serving.svc:50061" and parsed.dispatch == "prefix"
+    assert parsed.metrics_port == res.METRICS_PORT
     assert c["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Generate"
     assert service["metadata"]["name"] == "llama" and service["spec"]["ports"][0]["port"] == 50051
 
