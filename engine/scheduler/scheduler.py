@@ -132,7 +132,8 @@ class Scheduler:
         if step is None and idle_if_empty:
             batch = ForwardBatch.idle(self.step_no)
             self.stats.record(ForwardMode.IDLE, 0, 0)
-            logger.info("step %d: mode=IDLE batch_size=0 num_tokens=0", self.step_no)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(self.stats.log_line(self.step_no, ForwardMode.IDLE, 0, 0))
             return ScheduledStep(batch, ())
         return step
 
@@ -271,8 +272,10 @@ class Scheduler:
                 it.req.output_ids.append(PLACEHOLDER)
                 it.req.prefill_done = True
         self.stats.record(mode, batch.batch_size, batch.num_tokens)
-        logger.info("step %d: mode=%s batch_size=%d num_tokens=%d running=%d waiting=%d",
-                    self.step_no, mode.name, batch.batch_size, batch.num_tokens, len(self.running), len(self.waiting))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s | running=%d waiting=%d", self.stats.log_line(self.step_no, mode, batch.batch_size,
+                                                                        batch.num_tokens),
+                        len(self.running), len(self.waiting))
         return ScheduledStep(batch, reqs, tuple(samples))
 
     # ---- results --------------------------------------------------------------------------

@@ -35,6 +35,13 @@ class ForwardModeStats:
         if seconds:
             self.add_time(mode, seconds)
 
+    def log_line(self, step: int, mode: ForwardMode, batch_size: int, num_tokens: int) -> str:
+        """The per-step log line: this step, then this mode's running totals (as /metrics shows them)."""
+        name = mode.name
+        return (f"step {step}: mode={name} batch_size={batch_size} num_tokens={num_tokens} "
+                f"| {name} steps={self.mode_counts[name]} tokens={self.mode_tokens[name]} "
+                f"seconds={self.mode_seconds[name]:.3f}")
+
     def add_time(self, mode: ForwardMode, seconds: float) -> None:
         """One step of ``mode`` took ``seconds`` (its sum and its histogram bucket)."""
         self.mode_seconds[mode.name] += seconds

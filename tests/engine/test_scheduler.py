@@ -158,6 +158,8 @@ def test_one_log_line_per_step(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records if "mode=" in r.getMessage()]
     assert len(lines) == 2
     assert "mode=EXTEND batch_size=1 num_tokens=5" in lines[0] and "mode=DECODE batch_size=1 num_tokens=1" in lines[1]
+    # the running totals come from ForwardModeStats, the same numbers /metrics and Describe report
+    assert "EXTEND steps=1 tokens=5" in lines[0] and "DECODE steps=1 tokens=1" in lines[1]
 
 
 def test_prefix_cache_hit_is_sent_to_engine_once() -> None:
