@@ -10,7 +10,8 @@ a person can act on.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from modeserve.operator.ranks import ScalePlan
 
@@ -63,7 +64,7 @@ def conditions(table: Sequence[Mapping[str, Any]], desired: int, plan: ScalePlan
         available = _condition("Available", False, "NoRankReady", summary)
 
     if plan.waiting:
-        left = f" (removed anyway in {max(plan.seconds_left or 0.0, 0.0):.0f}s)" if plan.seconds_left is not None else ""
+        left = "" if plan.seconds_left is None else f" (removed anyway in {max(plan.seconds_left, 0.0):.0f}s)"
         progressing = _condition("Progressing", True, "Draining",
                                  f"ranks {sorted(plan.waiting)} draining before the scale-down to {desired}{left}")
     elif plan.statefulset_replicas != desired:

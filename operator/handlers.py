@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kopf
 
-from modeserve.operator.reconcile import EngineSetReconciler, OperatorConfig
+from modeserve.operator.reconcile import EngineSetReconciler
 from modeserve.operator.resources import GROUP, VERSION
 from modeserve.operator.spec import InvalidSpec
 
@@ -26,7 +27,7 @@ FINALIZER = "modeserve.io/engineset-cleanup"
 LoginFn = Callable[..., Any]
 
 
-def operator_settings(config: OperatorConfig) -> kopf.OperatorSettings:
+def operator_settings() -> kopf.OperatorSettings:
     """Standalone (one operator Deployment replica, no peering objects), Events posted, kopf's own
     bookkeeping in ``modeserve.io`` annotations (the status holds only what the CRD declares), the
     configured namespaces taken as exact names."""
@@ -35,8 +36,11 @@ def operator_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     # watch exactly the configured namespaces and the CRDs present at start: no cluster-wide
     # namespace/CRD watching, which the chart's least-privilege RBAC does not grant
     settings.scanning.disabled = True
+    # Events: the reconciler's changes (kopf.event), and handler warnings and errors (invalid spec,
+    # router unreachable) from the object logger -- not "Timer succeeded" every interval
     settings.posting.enabled = True
-    settings.posting.level = logging.WARNING  # not "Timer succeeded" every interval; changes are posted
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -55,7 +59,7 @@ def create_registry(reconciler: EngineSetReconciler, login: LoginFn | None = Non
     def reconcile(body: kopf.Body, logger: Any) -> None:
         outcome = reconciler.reconcile(copy.deepcopy(dict(body)), logger)
         for reason, message in outcome.events:
-            kopf.info(body, reason=reason, message=message)
+            kopf.event(body, type="Normal", reason=reason, message=message)  # whatever posting.level says
         if outcome.router_error is not None:
             raise kopf.TemporaryError(outcome.router_error, delay=config.router_retry_delay)
 

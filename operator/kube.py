@@ -8,7 +8,8 @@ the operator's lists (containers, ports, env) are exactly what the builders prod
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import quote
 
 from kubernetes import client as k8s
@@ -50,7 +51,7 @@ class Kube:
         self.api = api_client
 
     @classmethod
-    def from_environment(cls) -> "Kube":
+    def from_environment(cls) -> Kube:
         """In-cluster service account, else ``~/.kube/config`` (the same order kopf logs in with)."""
         try:
             k8s_config.load_incluster_config()
@@ -59,7 +60,7 @@ class Kube:
         return cls(k8s.ApiClient(k8s.Configuration.get_default_copy()))
 
     @classmethod
-    def for_server(cls, server: str) -> "Kube":
+    def for_server(cls, server: str) -> Kube:
         """An API server without authentication (tests, ``kubectl proxy``)."""
         return cls(k8s.ApiClient(k8s.Configuration(host=server.rstrip("/"))))
 

@@ -11,8 +11,9 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from modeserve.operator.resources import POD_INDEX_LABEL, rank_address
 
@@ -114,16 +115,16 @@ def rank_views(pods: Sequence[Mapping[str, Any]], replicas: int, draining: set[i
     states = router_states or {}
     views = []
     for rank in sorted(set(range(replicas)) | set(by_rank)):
-        pod = by_rank.get(rank)
+        found = by_rank.get(rank)
         leaving = rank >= replicas or rank in draining
-        if leaving and pod is None:
+        if leaving and found is None:
             continue
         router_state = states.get(rank)
         views.append(RankView(
             rank=rank, address=rank_address(name, namespace, rank),
-            state=_state(pod, leaving, router_state, router_known),
-            pod=(pod.get("metadata") or {}).get("name") if pod is not None else None,
-            pod_ready=pod is not None and pod_is_ready(pod), router_state=router_state, draining=leaving))
+            state=_state(found, leaving, router_state, router_known),
+            pod=(found.get("metadata") or {}).get("name") if found is not None else None,
+            pod_ready=found is not None and pod_is_ready(found), router_state=router_state, draining=leaving))
     return views
 
 

@@ -15,8 +15,9 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from modeserve.operator import resources as res
 from modeserve.operator.conditions import conditions, invalid_spec_conditions
@@ -57,7 +58,7 @@ class Outcome:
 
 
 def _timestamp() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class EngineSetReconciler:
@@ -118,8 +119,8 @@ class EngineSetReconciler:
             events.append(("Scaled" if sts is not None else "Created",
                            f"StatefulSet {name}-engine {action}: {plan.statefulset_replicas} replicas{late}"))
         if plan.draining and plan.draining != draining_before:
-            events.append(("Draining", f"ranks {sorted(plan.draining)} draining before the scale-down to "
-                                       f"{spec.replicas}"))
+            message = f"ranks {sorted(plan.draining)} draining before the scale-down to {spec.replicas}"
+            events.append(("Draining", message))
 
         views = rank_views(pods, spec.replicas, plan.draining, states, name=name, namespace=ns)
         table = [v.status() for v in views]

@@ -6,7 +6,8 @@ the ``RankState`` names without their prefix (JOINING, READY, DRAINING, DRAINED,
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import attrs
 import jsonpatch
@@ -46,14 +48,14 @@ OWNED = [(STS, f"{NAME}-engine"), ("apps/v1/deployments", f"{NAME}-router"), ("v
          ("v1/services", f"{NAME}-engine")]
 
 
-
 @attrs.define(kw_only=True)
 class VersionedEmulator(kmock.KubernetesEmulator):
     """kmock's emulator plus what kopf's bookkeeping relies on: ``metadata.resourceVersion`` changes
-    on every write, ``metadata.generation`` on every spec write, and a JSON patch whose ``test`` of
-    the resourceVersion fails is a 422 (kmock 0.8 keeps the versions it is given, so kopf would take
-    its own earlier events for new ones and re-run handlers, and answers a failed test with a 500,
-    which kopf retries unchanged)."""
+    on every write, ``metadata.generation`` on every spec write, a JSON patch whose ``test`` of the
+    resourceVersion fails is a 422, and ``generateName`` names a new object. (kmock 0.8 keeps the
+    versions it is given, so kopf would take its own earlier events for new ones and re-run handlers;
+    answers a failed test with a 500, which kopf retries unchanged; and stores every generated-name
+    Event under the same empty name.)"""
     _revision: int = attrs.field(default=1, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
@@ -69,10 +71,12 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         version = str(self._revision)
         if request.action == kmock.action.CREATE:
             meta = request.data.setdefault("metadata", {})
+            if "name" not in meta and "generateName" in meta:  # kopf's Events
+                meta["name"] = f"{meta['generateName']}{version}"
             meta.setdefault("generation", 1)
             meta["resourceVersion"] = version
             return
-        key = (request.resource, request.namespace, request.name)
+        key: Any = (request.resource, request.namespace, request.name)
         current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else {}
         generation = int((current.get("metadata") or {}).get("generation") or 1)
         if isinstance(request.data, list):  # JSON patch
@@ -189,6 +193,14 @@ class Harness:
     def ranks(self) -> list[dict[str, Any]]:
         return (self.engineset().get("status") or {}).get("ranks") or []
 
+    def events(self) -> list[tuple[str, str]]:
+        """(reason, message) of the Events posted about the EngineSet."""
+        found = []
+        for key, obj in list(self.kmock.objects.items()):
+            if key[0] == "v1/events" and not obj.deleted and obj.raw["involvedObject"].get("name") == NAME:
+                found.append((obj.raw["reason"], obj.raw["message"]))
+        return found
+
 
 async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
     """Poll ``check`` (the operator reconciles every 0.2 s) until it returns something truthy."""
@@ -220,7 +232,7 @@ async def harness(kmock: Any) -> AsyncIterator[Harness]:
                                login=lambda **_: kopf.ConnectionInfo(server=url))
     stop = threading.Event()
     thread = threading.Thread(target=asyncio.run, name="kopf", args=(kopf.operator(
-        registry=registry, settings=operator_settings(config), standalone=True, clusterwide=False,
+        registry=registry, settings=operator_settings(), standalone=True, clusterwide=False,
         namespaces=[NS], stop_flag=stop),))
     thread.start()
     try:
@@ -242,14 +254,15 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
     assert env["DP_SIZE"]["value"] == "3"
     assert container["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Engine"
     assert container["image"] == "modeserve:test"  # the operator's default image
-    objs = {key: await eventually(lambda key=key: read(harness.kmock, *key)) for key in OWNED}
+    objs = {key: await eventually(functools.partial(read, harness.kmock, *key)) for key in OWNED}
     for obj in objs.values():
         assert obj["metadata"]["ownerReferences"] == [{
             "apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet", "name": NAME, "uid": "uid-llama",
             "controller": True, "blockOwnerDeletion": True}]
     assert objs["v1/services", f"{NAME}-engine"]["spec"]["clusterIP"] == "None"
     assert objs["v1/services", NAME]["spec"]["ports"][0]["port"] == 50051
-    assert objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]["containers"][0]["args"][0] == "router"
+    router = objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][0] == "router"
     es = harness.engineset()
     assert es["metadata"]["finalizers"] == ["modeserve.io/engineset-cleanup"]
     assert es["status"]["selector"] == res.engine_selector_string(NAME) and es["status"]["observedGeneration"] == 1
@@ -294,11 +307,13 @@ async def test_scale_down_drains_before_the_statefulset_shrinks(harness: Harness
     await harness.patch(f"{ES_PATH}/{NAME}/scale", {"spec": {"replicas": 2}})
 
     def draining_call() -> RouterCall:
-        return next(c for c in harness.router.set_calls() if RouterRank(2, res.rank_address(NAME, NS, 2), True) in c.ranks)
+        drain_2 = RouterRank(2, res.rank_address(NAME, NS, 2), True)
+        return next(c for c in harness.router.set_calls() if drain_2 in c.ranks)
     first = await eventually(draining_call)
     assert first.statefulset_replicas == 3  # told to drain while rank 2's pod still exists
     await eventually(lambda: [r["state"] for r in harness.ranks()] == ["Ready", "Ready", "Draining"])
     assert harness.condition("Progressing")["reason"] == "Draining"
+    assert await eventually(lambda: ("Draining", "ranks [2] draining before the scale-down to 2") in harness.events())
     await asyncio.sleep(1.0)  # five reconciles while the router still reports DRAINING
     assert harness.replicas() == 3
 
@@ -345,6 +360,7 @@ async def test_invalid_spec_is_degraded_and_deploys_nothing(harness: Harness) ->
     degraded = await eventually(lambda: harness.condition("Degraded").get("status") == "True"
                                 and harness.condition("Degraded"))
     assert degraded["reason"] == "InvalidSpec" and "page_sise" in degraded["message"]
+    await eventually(lambda: any("page_sise" in message for _, message in harness.events()))  # kopf's Event
     await asyncio.sleep(0.5)  # timers ran; still nothing
     assert harness.statefulset() is None and not harness.router.calls
 
@@ -361,8 +377,8 @@ async def test_router_unreachable_is_reported_and_retried(harness: Harness) -> N
 async def test_delete_removes_the_owned_objects(harness: Harness) -> None:
     await harness.create(replicas=1)
     for key in OWNED:
-        await eventually(lambda key=key: read(harness.kmock, *key))
+        await eventually(functools.partial(read, harness.kmock, *key))
     resp = await harness.kmock.delete(f"{ES_PATH}/{NAME}")
     assert resp.status < 300
     for key in [*OWNED, (ES, NAME)]:
-        await eventually(lambda key=key: read(harness.kmock, *key) is None)
+        await eventually(lambda key=key: read(harness.kmock, *key) is None)  # type: ignore[misc]
