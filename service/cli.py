@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from modeserve.service import bench_cmd, client, drain_cmd, engine_cmd, generate_cmd, router_cmd, serve_cmd
+from modeserve.service import bench_cmd, client, drain_cmd, engine_cmd, generate_cmd, operator_cmd, router_cmd, serve_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     client.add_parser(sub)
     engine_cmd.add_parser(sub)
     drain_cmd.add_parser(sub)
+    operator_cmd.add_parser(sub)
     return parser
 
 
