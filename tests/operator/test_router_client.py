@@ -1,0 +1,56 @@
+"""The operator's gRPC ``AdminClient`` against the router's real ``Admin`` service (``service.admin``
+over a ``RankTable``): ranks set and read back with their states, errors as ``RouterUnreachable``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from modeserve.operator.ranks import RouterRank
+from modeserve.operator.router_client import GrpcAdminClient, RouterUnreachable
+from modeserve.proto.v1 import admin_pb2_grpc
+from modeserve.service.admin import AdminServicer
+from modeserve.service.dispatch import Dispatcher
+from modeserve.service.rank_table import RankTable
+
+
+def no_engine(rank: int, address: str, on_failure: Any) -> Any:
+    raise ConnectionError(f"no engine at {address}")
+
+
+@pytest.fixture
+def router() -> Iterator[str]:
+    table = RankTable(no_engine, Dispatcher(), health_interval=0.05)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(table), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+        table.close()
+
+
+def test_set_and_get_ranks_with_states(router: str) -> None:
+    client = GrpcAdminClient(timeout=5)
+    states = client.set_ranks(router, [RouterRank(0, "127.0.0.1:1", False), RouterRank(1, "127.0.0.1:2", True)])
+    assert set(states) == {0, 1} and set(states.values()) <= {"JOINING", "GONE"}
+    deadline = time.monotonic() + 5
+    while client.get_ranks(router) != {0: "GONE", 1: "GONE"}:  # their engines never answer
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert client.set_ranks(router, []) == {}
+
+
+def test_errors_are_router_unreachable(router: str) -> None:
+    client = GrpcAdminClient(timeout=1)
+    with pytest.raises(RouterUnreachable, match="INVALID_ARGUMENT"):
+        client.set_ranks(router, [RouterRank(0, "", False)])
+    with pytest.raises(RouterUnreachable, match="UNAVAILABLE"):
+        client.get_ranks("127.0.0.1:1")
