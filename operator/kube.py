@@ -17,7 +17,8 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 Obj = dict[str, Any]
-PLURALS = {"Pod": "pods", "Service": "services", "Event": "events", "StatefulSet": "statefulsets",
+PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",
+           "StatefulSet": "statefulsets",
            "Deployment": "deployments", "EngineSet": "enginesets"}
 MERGE_PATCH = "application/merge-patch+json"
 

@@ -103,7 +103,8 @@ class EngineSetReconciler:
             self._write_status(es, {"observedGeneration": meta.get("generation"),
                                     "conditions": invalid_spec_conditions(str(exc), previous, _timestamp())})
             raise
-        for obj in (res.engine_service(es), res.router_deployment(es, spec), res.router_service(es)):
+        for obj in (res.engine_configmap(es, spec.replicas), res.engine_service(es), res.router_deployment(es, spec),
+                    res.router_service(es)):
             _, action = self.kube.apply(obj)
             if action != "unchanged":
                 events.append((action.capitalize(), f"{obj['kind']} {obj['metadata']['name']} {action}"))
@@ -177,7 +178,8 @@ class EngineSetReconciler:
         deleted = []
         for api_version, kind, obj_name in (("apps/v1", "StatefulSet", f"{name}-engine"),
                                             ("apps/v1", "Deployment", f"{name}-router"),
-                                            ("v1", "Service", name), ("v1", "Service", f"{name}-engine")):
+                                            ("v1", "Service", name), ("v1", "Service", f"{name}-engine"),
+                                            ("v1", "ConfigMap", f"{name}-engine")):
             existing = self.kube.get(api_version, kind, ns, obj_name)
             owners = ((existing or {}).get("metadata") or {}).get("ownerReferences") or []
             if existing is not None and any(o.get("uid") == meta["uid"] for o in owners):

@@ -1,7 +1,7 @@
 """The Kubernetes objects one EngineSet owns, as plain dicts built from its spec (pure functions).
 
 Per EngineSet ``NAME``: a StatefulSet ``NAME-engine`` (one pod per DP rank, rank = pod index), its
-headless Service ``NAME-engine`` (stable pod DNS for the router), a router Deployment ``NAME-router``
+headless Service ``NAME-engine`` (stable pod DNS for the router), a ConfigMap ``NAME-engine`` (DP_SIZE), a router Deployment ``NAME-router``
 and the client-facing Service ``NAME`` (Generate + Admin on 50051, metrics on 9090). All carry an
 owner reference to the EngineSet, so deleting it deletes them.
 """
@@ -113,7 +113,8 @@ def engine_statefulset(es: Obj, spec: EngineSetSpec, replicas: int) -> Obj:
         resources["limits"] = dict(spec.limits)
     env = [
         {"name": "DP_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
-        {"name": "DP_SIZE", "value": str(replicas)},
+        # from a ConfigMap, not the template: a new size must not restart the ranks that stay
+        {"name": "DP_SIZE", "valueFrom": {"configMapKeyRef": {"name": f"{name}-engine", "key": "DP_SIZE"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "modeserve.dp_rank=$(DP_RANK),k8s.pod.name=$(POD_NAME)"},
         {"name": "HOME", "value": "/tmp"},
@@ -160,6 +161,15 @@ def engine_statefulset(es: Obj, spec: EngineSetSpec, replicas: int) -> Obj:
             "template": {"metadata": {"labels": labels(name, "engine")}, "spec": pod_spec},
         },
     }
+
+
+def engine_configmap(es: Obj, replicas: int) -> Obj:
+    """``DP_SIZE`` for the engine pods (read when a pod starts; the ranks that stay keep running)."""
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-engine", "namespace": ns, "labels": labels(name, "engine"),
+                         "ownerReferences": [owner_reference(es)]},
+            "data": {"DP_SIZE": str(replicas)}}
 
 
 def engine_service(es: Obj) -> Obj:

@@ -43,9 +43,10 @@ ES_PATH = f"/apis/modeserve.io/v1alpha1/namespaces/{NS}/enginesets"
 POD_PATH = f"/api/v1/namespaces/{NS}/pods"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 RESOURCES = {ES: "EngineSet", STS: "StatefulSet", "apps/v1/deployments": "Deployment", "v1/services": "Service",
+             "v1/configmaps": "ConfigMap",
              "v1/pods": "Pod", "v1/events": "Event", "v1/namespaces": "Namespace"}
 OWNED = [(STS, f"{NAME}-engine"), ("apps/v1/deployments", f"{NAME}-router"), ("v1/services", NAME),
-         ("v1/services", f"{NAME}-engine")]
+         ("v1/services", f"{NAME}-engine"), ("v1/configmaps", f"{NAME}-engine")]
 
 
 @attrs.define(kw_only=True)
@@ -251,7 +252,7 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["DP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{res.POD_INDEX_LABEL}']"
-    assert env["DP_SIZE"]["value"] == "3"
+    assert env["DP_SIZE"]["valueFrom"]["configMapKeyRef"] == {"name": f"{NAME}-engine", "key": "DP_SIZE"}
     assert container["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Engine"
     assert container["image"] == "modeserve:test"  # the operator's default image
     objs = {key: await eventually(functools.partial(read, harness.kmock, *key)) for key in OWNED}
@@ -293,10 +294,11 @@ async def test_status_gets_the_rank_table_once_pods_exist(harness: Harness) -> N
 async def test_scale_subresource_scales_up_at_once(harness: Harness) -> None:
     await harness.create(replicas=1)
     await eventually(lambda: harness.replicas() == 1)
+    template = harness.statefulset()["spec"]["template"]
     await harness.patch(f"{ES_PATH}/{NAME}/scale", {"spec": {"replicas": 3}})  # as `kubectl scale` does
     sts = await eventually(lambda: harness.replicas() == 3 and harness.statefulset())
-    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["DP_SIZE"] == "3"
+    await eventually(lambda: harness.kmock.objects["v1/configmaps", NS, f"{NAME}-engine"]["data"]["DP_SIZE"] == "3")
+    assert sts["spec"]["template"] == template  # unchanged: the ranks that stay are not restarted
 
 
 async def test_scale_down_drains_before_the_statefulset_shrinks(harness: Harness) -> None:

@@ -18,7 +18,7 @@ ES = {**SAMPLE, "metadata": {"name": "llama", "namespace": "serving", "uid": "12
 def objects(replicas: int = 2) -> list[dict]:
     spec = parse_spec(ES["spec"], default_image="ghcr.io/modeserve/modeserve:0.1.0")
     return [res.engine_statefulset(ES, spec, replicas), res.engine_service(ES), res.router_deployment(ES, spec),
-            res.router_service(ES)]
+            res.router_service(ES), res.engine_configmap(ES, replicas)]
 
 
 @pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
@@ -37,7 +37,11 @@ def test_engine_statefulset_ranks_probes_and_drain() -> None:
     c = pod["containers"][0]
     env = {e["name"]: e for e in c["env"]}
     assert env["DP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
-    assert env["DP_SIZE"]["value"] == "3"
+    assert env["DP_SIZE"]["valueFrom"]["configMapKeyRef"] == {"name": "llama-engine", "key": "DP_SIZE"}
+    assert res.engine_configmap(ES, 3)["data"] == {"DP_SIZE": "3"}
+    # the template does not depend on the size: scaling does not restart the ranks that stay
+    spec = parse_spec(ES["spec"], default_image="img")
+    assert res.engine_statefulset(ES, spec, 2)["spec"]["template"] == res.engine_statefulset(ES, spec, 5)["spec"]["template"]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel:4317"
     assert c["readinessProbe"]["grpc"] == {"port": res.ENGINE_PORT, "service": "modeserve.v1.Engine"}
     assert c["livenessProbe"]["grpc"]["service"] == ""
@@ -54,7 +58,7 @@ def test_engine_statefulset_ranks_probes_and_drain() -> None:
 
 
 def test_router_points_at_rank_zero_and_serves_generate() -> None:
-    _, headless, router, service = objects()
+    _, headless, router, service, _ = objects()
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
     c = router["spec"]["template"]["spec"]["containers"][0]
     parsed = build_parser().parse_args(c["args"])
