@@ -104,6 +104,9 @@ class RankTable:
                 elif not spec.draining and rank.state == RankState.DRAINED:  # its stream was closed: rejoin
                     rank.state, rank.loop = RankState.JOINING, None
                     joining.append(rank)
+                elif rank.state == RankState.GONE:  # failed earlier and offered again (a restarted pod): rejoin
+                    rank.state, rank.loop, rank.error = RankState.JOINING, None, ""
+                    joining.append(rank)
         for rank in removed:
             self._remove(rank)
         for rank in joining:

@@ -18,7 +18,7 @@ from modeserve.engine.config import SchedulerConfig
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.client import Completion, GenerateClient
 from modeserve.service.drain_cmd import drain
-from modeserve.service.rank_table import RankState
+from modeserve.service.rank_table import RankSpec, RankState
 from modeserve.service.router_app import RouterApp
 from modeserve.service.router_cmd import start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
@@ -118,6 +118,16 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     states = {s.rank: s.state for s in app.table.status()}
     assert states[1] == RankState.GONE and states[0] == states[2] == RankState.READY
     assert app.table.ranks()[1].loop is not None and app.table.ranks()[1].loop.error
+    # the engine comes back (a restarted pod at the same address): offered again, the rank rejoins
+    port = procs[1][1].rsplit(":", 1)[1]
+    revived = spawn("engine", "--model", str(tiny_model), "--host", "127.0.0.1", "--port", port, "--page-size", "4",
+                    "--kv-cache-tokens", "4096", "--dp-rank", "1")
+    procs.append(revived)
+    app.table.set_ranks([RankSpec(i, a) for i, (_, a) in enumerate(procs[:3])])
+    deadline = time.time() + 30
+    while app.table.status()[1].state != RankState.READY:
+        assert time.time() < deadline
+        time.sleep(0.05)
 
 
 def test_drain_finishes_running_then_reports_drained(router_over: Callable, tiny_model: Path) -> None:
