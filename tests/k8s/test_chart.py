@@ -72,6 +72,10 @@ def test_rendered_objects_validate_strict(helm: Path, k8s_version: str, sets: li
         hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet",
                                                  "name": "demo"}
+        # the queue lives at the router: an object metric on its Service (named like the EngineSet)
+        metric = hpa["spec"]["metrics"][0]["object"]
+        assert metric["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": "demo"}
+        assert metric["metric"]["name"] == "modeserve_queue_requests"
         roles = [o for o in objs if o["kind"] == "Role"]
         assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
 
