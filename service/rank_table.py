@@ -90,12 +90,13 @@ class RankTable:
                 if spec is None or spec.address != rank.address:
                     removed.append(self._ranks.pop(num))
             for num, spec in wanted.items():
-                rank = self._ranks.get(num)
-                if rank is None:
-                    rank = Rank(num, spec.address, RankState.JOINING, draining_requested=spec.draining)
-                    self._ranks[num] = rank
-                    joining.append(rank)
+                existing = self._ranks.get(num)
+                if existing is None:
+                    new = Rank(num, spec.address, RankState.JOINING, draining_requested=spec.draining)
+                    self._ranks[num] = new
+                    joining.append(new)
                     continue
+                rank = existing
                 rank.draining_requested = spec.draining
                 if spec.draining and rank.state == RankState.READY:
                     rank.state = RankState.DRAINING
@@ -148,10 +149,11 @@ class RankTable:
         self._move(handles)
 
     def _on_failure(self, loop: EngineLoop, handles: list[RequestHandle]) -> None:
+        error = loop.error or "failed"
         with self._lock:
             for rank in self._ranks.values():
                 if rank.loop is loop:
-                    rank.state, rank.error = RankState.GONE, loop.error or "failed"
+                    rank.state, rank.error = RankState.GONE, error
         logger.warning("engine %s failed (%s); %d requests move on", loop.name, loop.error, len(handles))
         self._move(handles)
 
