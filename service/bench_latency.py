@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
     profile = decode_profile(llm, prompts, sp, args.profile_steps) if args.profile_steps else None
 
-    num_params = sum(p.numel() for p in runner.model.parameters())
-    roof = measure_roofline(mc, num_params, runner.dtype.itemsize, runner.kv_cache.bytes_per_token, device)
+    roof = measure_roofline(runner)
     mean_ctx = n_in + n_out / 2
     decode_limit = roof.decode_step_seconds([int(mean_ctx)] * bs)
     prefill_flops = roof.prefill_flops([n_in] * bs)

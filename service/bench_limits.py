@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from modeserve.engine.models.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from modeserve.engine.runner.model_runner import ModelRunner
 
 
 def sync(device: torch.device) -> None:
@@ -87,7 +91,10 @@ class Roofline:
         return max(self.decode_step_bytes(context_lens) / self.bandwidth, flops / self.flops)
 
 
-def measure_roofline(mc: ModelConfig, num_params: int, itemsize: int, kv_bytes_per_token: int,
-                     device: torch.device) -> Roofline:
+def measure_roofline(runner: ModelRunner) -> Roofline:
+    """The runner's model (its parameters, dtype, KV bytes per token) on its device, limits measured now."""
+    device = runner.device
+    num_params = sum(p.numel() for p in runner.model.parameters())
     nbytes = 2**30 if device.type == "cuda" else 2**26
-    return Roofline(mc, num_params, itemsize, kv_bytes_per_token, copy_bandwidth(device, nbytes), matmul_rate(device))
+    return Roofline(runner.model_config, num_params, runner.dtype.itemsize, runner.kv_cache.bytes_per_token,
+                    copy_bandwidth(device, nbytes), matmul_rate(device))

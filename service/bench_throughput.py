@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == n_out for o in outs)
     runner = llm.runner
-    num_params = sum(p.numel() for p in runner.model.parameters())
-    roof = measure_roofline(mc, num_params, runner.dtype.itemsize, runner.kv_cache.bytes_per_token, device)
+    roof = measure_roofline(runner)
     limit = roofline_seconds(roof, n, n_in, n_out, running)
     out: dict[str, Any] = {
         "bench": "throughput", "shape": args.model or args.shape, "device": device_name(device),

@@ -13,22 +13,22 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 from opentelemetry.trace import Span
 
-from modeserve.engine.forward_batch import ForwardResult
+from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.runner.host_io import PendingResult
 from modeserve.engine.runner.model_runner import ModelRunner
-from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
-from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.scheduler.stats import ForwardModeStats
+from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from modeserve.service.convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
+from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 from modeserve.service.metrics import MetricsServer, RankSample
 from modeserve.service.tracing import Tracing, start_forward_span
-from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,16 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
         dtype=runner.cfg.torch_dtype_name,
         attention_backend=runner.attention_backend_name,
     )
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A batch on the device: its result arrives through ``pending``."""
+
+    batch: ForwardBatch
+    start: float
+    pending: PendingResult[ForwardResult]
+    span: Span | None
 
 
 def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],
@@ -148,8 +158,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
             threading.Thread(target=_read_all, args=(request_iterator, inbox), name="engine-stream-reader",
                              daemon=True).start()
-            pending: collections.deque[tuple[forward_pb2.ForwardBatch, float, PendingResult[ForwardResult],
-                                             Span | None]] = collections.deque()
+            pending: collections.deque[_Launched] = collections.deque()
             ended = False
             while not ended or pending:
                 msg: forward_pb2.ForwardBatch | None = None
@@ -160,50 +169,47 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     except queue.Empty:
                         pass
                 if msg is not None:
-                    launched, error = self._launch(msg)
-                    if error is not None:  # earlier steps' results first, then end this stream
+                    launched = self._launch(msg)
+                    if not isinstance(launched, _Launched):  # earlier steps' results first, then end this stream
                         while pending:
-                            yield self._finish(*pending.popleft())
-                        _abort(context, *error)
-                    assert launched is not None
-                    pending.append((msg, time.perf_counter(), launched, self._span(msg)))
+                            yield self._finish(pending.popleft())
+                        _abort(context, *launched)
+                    pending.append(launched)
                     if len(pending) < 2:
                         continue
                 if pending:
-                    yield self._finish(*pending.popleft())
+                    yield self._finish(pending.popleft())
 
-    def _launch(self, msg: forward_pb2.ForwardBatch) -> tuple[PendingResult[ForwardResult] | None,
-                                                                tuple[grpc.StatusCode, str] | None]:
+    def _launch(self, msg: forward_pb2.ForwardBatch) -> _Launched | tuple[grpc.StatusCode, str]:
+        """Decode, validate and launch one batch (with its forward span when tracing); or the error."""
         try:
             batch = batch_from_proto(msg, self._limits)
         except ValueError as exc:
-            return None, (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
+            return grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}"
+        start = time.perf_counter()
         with self._forward_lock:
             try:
-                return self._runner.launch(batch), None
+                pending = self._runner.launch(batch)
             except ValueError as exc:  # e.g. a known forward mode this build does not implement
-                return None, (grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}")
+                return grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}"
             except Exception as exc:  # a device or model failure: end this stream, keep serving
                 logger.exception("forward of step %d failed", msg.step)
-                return None, (grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}")
+                return grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}"
+            span = None
+            if self.tracing.enabled:  # the graph bucket is this step's while the lock is held
+                span = start_forward_span(self.tracing, batch.trace_context, batch.forward_mode.name,
+                                          batch.batch_size, batch.num_tokens, self._runner.last_graph_bucket,
+                                          self._description.dp_rank, batch.step)
+        return _Launched(batch, start, pending, span)
 
-    def _span(self, msg: forward_pb2.ForwardBatch) -> Span | None:
-        """The step's ``modeserve.forward`` span, a child of the router's step (None when off)."""
-        if not self.tracing.enabled:
-            return None
-        return start_forward_span(self.tracing, msg.trace_context, ForwardMode(msg.forward_mode).name,
-                                  len(msg.req_pool_indices) // 8, len(msg.input_ids) // 8,
-                                  self._runner.last_graph_bucket, self._description.dp_rank, msg.step)
-
-    def _finish(self, msg: forward_pb2.ForwardBatch, start: float, launched: PendingResult[ForwardResult],
-                span: Span | None = None) -> forward_pb2.ForwardResult:
-        result = launched.result()
-        seconds = time.perf_counter() - start
-        if span is not None:
-            span.end()
-        batch_size = len(msg.req_pool_indices) // 8  # int64 LE, validated on the way in
-        self.stats.record(ForwardMode(msg.forward_mode), batch_size, len(msg.input_ids) // 8, seconds)
-        return result_to_proto(result, msg.step, seconds)
+    def _finish(self, launched: _Launched) -> forward_pb2.ForwardResult:
+        result = launched.pending.result()
+        seconds = time.perf_counter() - launched.start
+        if launched.span is not None:
+            launched.span.end()
+        batch = launched.batch
+        self.stats.record(batch.forward_mode, batch.batch_size, batch.num_tokens, seconds)
+        return result_to_proto(result, batch.step, seconds)
 
     def Describe(self, request: engine_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> engine_pb2.EngineDescription:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 T = TypeVar("T")
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}  # what steps upload
 
 
 def upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
@@ -21,7 +22,7 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: torch.dtyp
     On CUDA the arrays are packed into one pinned buffer (the caching host allocator keeps it alive
     until the copy has run), so the call never waits for the device. On CPU they are wrapped.
     """
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    np_dtype = _NUMPY_DTYPES[dtype]
     if device.type != "cuda":
         # arrays read from the wire are read-only views: copy those, wrap the rest
         return [torch.from_numpy(np.array(a, dtype=np_dtype, copy=not a.flags.writeable or None)) for a in arrays]

@@ -117,31 +117,31 @@ class RadixCache:
     def peek_prefix_len(self, token_ids: Sequence[int]) -> int:
         """Length of the longest cached page-aligned prefix, without touching the tree (no split,
         no LRU update): what a router asks when it chooses where a request goes."""
-        tokens, ps = list(token_ids), self._ps
-        end = len(tokens) // ps * ps
+        tokens = list(token_ids)
+        return sum(n for _, n in self._descend(tokens, len(tokens) // self._ps * self._ps))
+
+    def _descend(self, tokens: list[int], end: int) -> Iterator[tuple[RadixNode, int]]:
+        """The nodes ``tokens[:end]`` passes through and the tokens matched in each, read-only; a node
+        matched only in part comes last (its caller may split it)."""
+        ps = self._ps
         node, pos = self._root, 0
         while pos < end:
             child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
-                break
+                return
             n = self._common_len(child.key, tokens, pos, end)
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-        return pos
+            partial = n < len(child.key)  # decided before the caller may split ``child``
+            yield child, n
+            if partial:
+                return
+            node, pos = child, pos + n
 
     def _walk(self, tokens: list[int], end: int, kv: list[int] | None) -> tuple[RadixNode, int]:
         """Follow ``tokens[:end]`` down the tree (splitting the last node at the match end), touch
         every node passed; returns the deepest node and the matched length; collects slots into kv."""
-        ps = self._ps
         self._clock += 1
         node, pos = self._root, 0
-        while pos < end:
-            child = node.children.get(tuple(tokens[pos : pos + ps]))
-            if child is None:
-                break
-            n = self._common_len(child.key, tokens, pos, end)
+        for child, n in self._descend(tokens, end):
             if n < len(child.key):
                 child = self._split(child, n)
             if kv is not None:

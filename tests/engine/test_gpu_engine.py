@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from modeserve.engine import LLM, SamplingParams
-from modeserve.engine.forward_batch import ForwardResult
-from tests.engine.tiny_models import COMMON, load_reference, make_tiny_model, mixed_prompts, reference_greedy
+from tests.engine.tiny_models import (COMMON, load_reference, make_tiny_model, mixed_prompts, reference_greedy,
+                                     teacher_forced_logits)
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
@@ -47,17 +45,7 @@ def test_backend_logits_equal_torch_reference_bf16(tmp_path: Path, arch: str, pa
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)  # warm the prefix cache
         for p in prompts:
             llm.add_request(llm.make_request(p, GREEDY))
-    modes = set()
-    while fi.scheduler.has_work:
-        a, b = fi.scheduler.schedule(), ref.scheduler.schedule()
-        assert a is not None and b is not None and a.batch.forward_mode == b.batch.forward_mode
-        modes.add(a.batch.forward_mode.name)
-        la, lb = fi.runner.compute_logits(a.batch), ref.runner.compute_logits(b.batch)
-        torch.testing.assert_close(la, lb, rtol=5e-2, atol=5e-2 * float(lb.abs().max()))
-        tokens = la.argmax(-1).cpu().numpy().astype(np.int64)  # both follow the same tokens
-        fi.scheduler.process_result(a, ForwardResult(tokens))
-        ref.scheduler.process_result(b, ForwardResult(tokens))
-    assert {"MIXED", "DECODE"} <= modes
+    assert {"MIXED", "DECODE"} <= teacher_forced_logits(fi, ref, rtol=5e-2)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -73,14 +61,7 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path, page_size: int, backend:
     for llm in (graphs, eager):
         for p in prompts:
             llm.add_request(llm.make_request(p, GREEDY))
-    while graphs.scheduler.has_work:
-        a, b = graphs.scheduler.schedule(), eager.scheduler.schedule()
-        assert a is not None and b is not None
-        la, lb = graphs.runner.compute_logits(a.batch), eager.runner.compute_logits(b.batch)
-        torch.testing.assert_close(la, lb, rtol=2e-2, atol=2e-2 * float(lb.abs().max()))
-        tokens = lb.argmax(-1).cpu().numpy().astype(np.int64)
-        graphs.scheduler.process_result(a, ForwardResult(tokens))
-        eager.scheduler.process_result(b, ForwardResult(tokens))
+    teacher_forced_logits(graphs, eager, rtol=2e-2)
     stats = graphs.runner.graphs.stats()
     assert stats["hits"]["DECODE"] > 0 and stats["padded_rows"]["DECODE"] > 0
     # and the whole generate path gives the same greedy tokens with and without graphs

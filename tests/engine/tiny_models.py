@@ -85,3 +85,24 @@ def mixed_prompts(num: int, vocab: int, seed: int, min_len: int = 3, max_len: in
         n = min_len + (i * 7919 % (max_len - min_len + 1))
         out.append(prefix + torch.randint(3, vocab, (n,), generator=g).tolist())
     return out
+
+
+def teacher_forced_logits(test: Any, ref: Any, rtol: float) -> set[str]:
+    """Step two engines (``LLM``s holding the same requests) together: each step has the same mode and
+    logits equal within ``rtol`` (relative to the reference's largest logit), and both continue with
+    the reference's argmax tokens. Returns the forward modes seen."""
+    import numpy as np
+
+    from modeserve.engine.forward_batch import ForwardResult
+
+    modes = set()
+    while test.scheduler.has_work:
+        a, b = test.scheduler.schedule(), ref.scheduler.schedule()
+        assert a is not None and b is not None and a.batch.forward_mode == b.batch.forward_mode
+        modes.add(a.batch.forward_mode.name)
+        la, lb = test.runner.compute_logits(a.batch), ref.runner.compute_logits(b.batch)
+        torch.testing.assert_close(la, lb, rtol=rtol, atol=rtol * float(lb.abs().max()))
+        tokens = lb.argmax(-1).cpu().numpy().astype(np.int64)  # both follow the same tokens
+        test.scheduler.process_result(a, ForwardResult(tokens))
+        ref.scheduler.process_result(b, ForwardResult(tokens))
+    return modes

@@ -10,11 +10,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from modeserve.engine import LLM, SamplingParams
-from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.kernels.attention.base import (
     AttentionInputs,
@@ -24,7 +22,7 @@ from modeserve.kernels.attention.base import (
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
 
-from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts
+from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts, teacher_forced_logits
 from tests.kernels.test_attention_backends import (
     HKV,
     HQ,
@@ -318,17 +316,7 @@ def check_engine_against_torch_backend(arch: str, page_size: int, device: str, d
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=greedy)  # warm the prefix cache
         for p in prompts:
             llm.add_request(llm.make_request(p, greedy))
-    modes = set()
-    while tri.scheduler.has_work:
-        a, b = tri.scheduler.schedule(), ref.scheduler.schedule()
-        assert a is not None and b is not None and a.batch.forward_mode == b.batch.forward_mode
-        modes.add(a.batch.forward_mode.name)
-        la, lb = tri.runner.compute_logits(a.batch), ref.runner.compute_logits(b.batch)
-        torch.testing.assert_close(la, lb, rtol=5e-2, atol=5e-2 * float(lb.abs().max()))
-        tokens = lb.argmax(-1).cpu().numpy().astype(np.int64)  # both follow the same tokens
-        tri.scheduler.process_result(a, ForwardResult(tokens))
-        ref.scheduler.process_result(b, ForwardResult(tokens))
-    assert {"MIXED", "DECODE"} <= modes
+    assert {"MIXED", "DECODE"} <= teacher_forced_logits(tri, ref, rtol=5e-2)
     return tri.runner.graphs.stats() if tri.runner.graphs is not None else {}
 
 
