@@ -22,9 +22,11 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
 
 
-TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv)
+TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv,
+                      ops.argmax)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -40,7 +42,8 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     if resolve_kernel_backend(name, device) == "torch":
         return TORCH_OPS
     from modeserve.kernels.triton import ops as triton_ops
+    from modeserve.kernels.triton.argmax import argmax
     from modeserve.kernels.triton.rotary import store_kv
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     triton_ops.apply_rotary, store_kv)
+                     triton_ops.apply_rotary, store_kv, argmax)

@@ -80,3 +80,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     """Write k, v: [T, Hkv, D] into k_cache, v_cache: [num_slots, Hkv, D] at slots loc: [T]."""
     k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
     v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [S, V] -> [S] int64: the index of each row's first maximum."""
+    return torch.argmax(x, dim=-1)

@@ -75,6 +75,19 @@ def add_parser(sub: Any) -> None:
     thr.add_argument("--baseline-num-prompts", type=int, default=64, help="prompts run through the baseline")
     thr.add_argument("--baseline-batch-size", type=int, default=64)
     thr.set_defaults(func=_json_bench("bench_throughput"))
+    att = kinds.add_parser("attention", help="decode attention per layer, each backend vs the KV-bytes roofline (GPU)")
+    att.add_argument("--backends", nargs="+", default=["flashinfer", "flashinfer-tensor-cores",
+                                                        "flashinfer-cuda-cores", "triton"])
+    att.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64, 256])
+    att.add_argument("--context-len", type=int, default=1024)
+    att.add_argument("--num-heads", type=int, default=32)
+    att.add_argument("--num-kv-heads", type=int, default=8)
+    att.add_argument("--head-dim", type=int, default=128)
+    att.add_argument("--page-size", type=int, default=16)
+    att.add_argument("--layers", type=int, default=8, help="layers captured in the timed graph")
+    att.add_argument("--repeats", type=int, default=50)
+    att.add_argument("--dtype", default="bfloat16")
+    att.set_defaults(func=_json_bench("bench_attention"))
 
 
 def _gpu_bench_args(p: argparse.ArgumentParser) -> None:

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens_per_s": round(bs / decode_s, 1),
         "decode_roofline_ms": round(decode_limit * 1e3, 4),
         "decode_roofline_ratio": round(decode_limit / decode_s, 3),
+        "decode_op_roofline_ratio": round(roof.decode_step_seconds_by_op([int(mean_ctx)] * bs) / decode_s, 3),
         "decode_step_bytes": int(roof.decode_step_bytes([int(mean_ctx)] * bs)),
         "prefill_ms": round(prefill_s * 1e3, 3),
         "prefill_tflops": round(prefill_flops / prefill_s / 1e12, 1),

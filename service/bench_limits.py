@@ -87,8 +87,18 @@ class Roofline:
         return self.matmul_params * self.itemsize + self.kv_bytes_per_token * sum(context_lens)
 
     def decode_step_seconds(self, context_lens: list[int]) -> float:
+        """The whole step as one kernel could run it: all bytes at the bandwidth or all matmul FLOPs
+        at the matmul rate, whichever takes longer."""
         flops = 2 * self.matmul_params * len(context_lens)
         return max(self.decode_step_bytes(context_lens) / self.bandwidth, flops / self.flops)
+
+    def decode_step_seconds_by_op(self, context_lens: list[int]) -> float:
+        """The step as separate operations, each at its own limit: the weight matmuls (bytes or FLOPs,
+        whichever binds: FLOPs from batch ~200 on an H200) then attention reading the KV. Above the
+        bound of ``decode_step_seconds`` once the matmuls are compute-bound."""
+        flops = 2 * self.matmul_params * len(context_lens)
+        weights = max(self.matmul_params * self.itemsize / self.bandwidth, flops / self.flops)
+        return weights + self.kv_bytes_per_token * sum(context_lens) / self.bandwidth
 
 
 def measure_roofline(runner: ModelRunner) -> Roofline:

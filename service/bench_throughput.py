@@ -16,13 +16,15 @@ from modeserve.service.bench_latency import model_folder, random_prompts
 from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, sync
 
 
-def roofline_seconds(roof: Roofline, n: int, n_in: int, n_out: int, max_running: int) -> float:
+def roofline_seconds(roof: Roofline, n: int, n_in: int, n_out: int, max_running: int, by_op: bool = False) -> float:
     """Lower bound on the time of the workload: prefill at the matmul rate, then waves of at most
-    ``max_running`` requests decoding together, each step bounded by its bytes or its FLOPs."""
+    ``max_running`` requests decoding together, each step bounded by its bytes or its FLOPs (as one
+    kernel, or with ``by_op`` as matmuls then attention: ``Roofline.decode_step_seconds_by_op``)."""
+    step = roof.decode_step_seconds_by_op if by_op else roof.decode_step_seconds
     total = roof.prefill_flops([n_in] * n) / roof.flops
     for wave in range(0, n, max_running):
         rows = min(max_running, n - wave)
-        total += sum(roof.decode_step_seconds([n_in + k] * rows) for k in range(1, n_out))
+        total += sum(step([n_in + k] * rows) for k in range(1, n_out))
     return total
 
 
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_s": round(n * n_out / seconds, 1),
         "total_tokens_per_s": round(n * (n_in + n_out) / seconds, 1),
         "roofline_seconds": round(limit, 3), "roofline_ratio": round(limit / seconds, 3),
+        "op_roofline_ratio": round(roofline_seconds(roof, n, n_in, n_out, running, by_op=True) / seconds, 3),
         "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
         "steps_by_mode": llm.stats()["mode_distribution"],

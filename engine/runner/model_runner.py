@@ -189,7 +189,7 @@ class ModelRunner:
         seq_lens = batch.seq_lens[batch.sample_mask]
         (slots_dev,) = upload([slots], self.device)
         if self.slots.is_plain_greedy(slots):
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = self.kernel_ops.argmax(logits)
             self.slots.last_token[slots_dev] = next_ids
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)

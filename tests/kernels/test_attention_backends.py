@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from modeserve.engine.forward_mode import ForwardMode
-from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, create_attention_backend
 from modeserve.kernels.attention.kv_cache import KVCache
 
 HQ, HKV, D = 8, 2, 64
@@ -49,12 +49,18 @@ def make_case(kind: str, page_size: int, device: str, dtype: torch.dtype, seed: 
 
 
 def run_backend(name: str, case: dict, page_size: int, device: str, dtype: torch.dtype,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, **backend_kwargs: object) -> torch.Tensor:
+    """``backend_kwargs``: build the FlashInfer backend with these options instead of by name."""
     cache = KVCache(1, case["num_slots"], HKV, D, page_size, dtype, torch.device(device))
     cache.k[0].copy_(case["k_hist"])
     cache.v[0].copy_(case["v_hist"])
-    backend = create_attention_backend(name, torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
-                                       scale=1 / math.sqrt(D), sliding_window=window)
+    if backend_kwargs:
+        from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        backend: AttentionBackend = FlashInferAttentionBackend(cache, HQ, 1 / math.sqrt(D), window, **backend_kwargs)
+    else:
+        backend = create_attention_backend(name, torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
+                                           scale=1 / math.sqrt(D), sliding_window=window)
     ext = case["ext"]
     mode = ForwardMode.DECODE if all(e == 1 for e in ext) else ForwardMode.MIXED
     backend.init_forward_metadata(AttentionInputs(
@@ -109,3 +115,15 @@ def test_flashinfer_equals_torch_reference(kind: str, page_size: int, window: in
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     dense = dense_reference(case, window).float()
     assert (out.float() - dense).abs().max() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_decode_kernels_both_ways(page_size: int, tensor_cores: bool) -> None:
+    """DECODE through FlashInfer's tensor-core (prefill) kernel and through its decode kernel, whichever
+    the group-size rule would pick: both equal dense attention."""
+    pytest.importorskip("flashinfer")
+    case = make_case("decode", page_size, "cuda", torch.bfloat16)
+    out = run_backend("flashinfer", case, page_size, "cuda", torch.bfloat16, None, decode_tensor_cores=tensor_cores)
+    assert (out.float() - dense_reference(case, None).float()).abs().max() < 3e-2

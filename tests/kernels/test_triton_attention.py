@@ -325,4 +325,4 @@ def check_engine_against_torch_backend(arch: str, page_size: int, device: str, d
 @pytest.mark.parametrize("arch", ["llama3", "mistral-window"])
 def test_triton_engine_with_cuda_graphs_equals_torch_backend_gpu(tmp_path: Path, arch: str, page_size: int) -> None:
     stats = check_engine_against_torch_backend(arch, page_size, "cuda", torch.bfloat16, tmp_path)
-    assert stats["hits"]["DECODE"] > 0 and stats["padded_rows"]["DECODE"] > 0
+    assert stats["hits"]["DECODE"] > 0  # padding: test_triton_cuda_graph_replay_gpu and test_gpu_engine

@@ -23,6 +23,11 @@ def test_llama_8b_roofline_by_hand() -> None:
     ctx = [1000, 3000]
     assert roof.decode_step_bytes(ctx) == pytest.approx(2 * (32 * per_layer + v * h) + 131072 * 4000, rel=1e-4)
     assert roof.decode_step_seconds(ctx) == pytest.approx(roof.decode_step_bytes(ctx) / 4e12)  # bandwidth-bound
+    assert roof.decode_step_seconds_by_op(ctx) == pytest.approx(roof.decode_step_seconds(ctx))  # matmuls too
+    big = [1000] * 256  # batch 256: the matmuls are FLOP-bound (2 * 7.5e9 * 256 / 8e14 s > 15 GB / 4e12 B/s)
+    matmul_s = 2 * (32 * per_layer + v * h) * 256 / 8e14
+    assert roof.decode_step_seconds_by_op(big) == pytest.approx(matmul_s + 131072 * 256000 / 4e12, rel=1e-4)
+    assert roof.decode_step_seconds(big) == pytest.approx(roof.decode_step_bytes(big) / 4e12)  # one kernel: bytes
     n = 4096
     by_hand = 2 * 32 * per_layer * n + 2 * 2 * 32 * 32 * 128 * n * (n + 1) / 2 + 2 * v * h
     assert roof.prefill_flops([n]) == pytest.approx(by_hand, rel=1e-4)

@@ -29,7 +29,8 @@ def test_graph_decode_beside_an_idle_rank(tmp_path: Path) -> None:
                               dispatch="round-robin", lockstep=True)
     client = GenerateClient(f"127.0.0.1:{app.port}")
     try:
-        out = client.generate(token_ids=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=16, ignore_eos=True, timeout=60)
+        out = client.generate(token_ids=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=16, ignore_eos=True,
+                              timeout=300)  # the first prefill may JIT-compile FlashInfer kernels (~75 s)
         assert len(out.token_ids) == 16
         hits = [r.graphs.stats()["hits"] for r in runners if r.graphs is not None]
         busy, idle = (0, 1) if hits[0].get("DECODE") else (1, 0)

@@ -1,0 +1,64 @@
+"""Row-wise argmax over a large vocabulary as two Triton kernels: many programs per row each find
+the first maximum of a chunk, then one program per row picks the first maximum among the chunks.
+
+``torch.argmax`` reduces a row in one thread block, which at batch 1 leaves most of the device idle
+(about 28 µs for 128k logits on an H200, several times the time to read them). Same contract as
+``kernels.ops.argmax``: the index of the first maximum (rows without NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 4096  # logits per program in the first pass
+
+
+@triton.jit
+def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, num_chunks,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    start = chunk * CHUNK
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = start + lanes  # ties among -inf keep the first column, as torch does
+    for off in range(0, CHUNK, BLOCK):
+        cols = start + off + lanes
+        x = tl.load(x_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        take = x > best_v  # strict: a lane keeps its earlier column on ties
+        best_v = tl.where(take, x, best_v)
+        best_i = tl.where(take, cols, best_i)
+    m = tl.max(best_v, axis=0)
+    i = tl.min(tl.where(best_v == m, best_i, 2147483647), axis=0)
+    tl.store(val_ptr + row * num_chunks + chunk, m)
+    tl.store(idx_ptr + row * num_chunks + chunk, i)
+
+
+@triton.jit
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    mask = lanes < num_chunks
+    v = tl.load(val_ptr + row * num_chunks + lanes, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + row * num_chunks + lanes, mask=mask, other=2147483647)
+    m = tl.max(v, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(v == m, i, 2147483647), axis=0).to(tl.int64))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [S, V] (last dim contiguous) -> [S] int64, the first maximum of each row."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"argmax takes [S, V] with a contiguous last dim, got shape {tuple(x.shape)}")
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
+    idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    _chunk_argmax_kernel[(rows, num_chunks)](x, vals, idxs, vocab, x.stride(0), num_chunks,
+                                             CHUNK=CHUNK, BLOCK=1024, num_warps=4)
+    _row_argmax_kernel[(rows,)](vals, idxs, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+    return out
