@@ -78,6 +78,7 @@ BackendFactory = Callable[..., AttentionBackend]
 _BACKENDS: dict[str, str] = {
     "torch": "modeserve.kernels.attention.torch_backend:TorchAttentionBackend",
     "flashinfer": "modeserve.kernels.attention.flashinfer_backend:FlashInferAttentionBackend",
+    "flashinfer-triton": "modeserve.kernels.attention.flashinfer_triton_backend:FlashInferTritonAttentionBackend",
     "triton": "modeserve.kernels.attention.triton_backend:TritonAttentionBackend",
 }
 _HALF = (torch.float16, torch.bfloat16)
@@ -94,21 +95,22 @@ def _importable(module: str) -> bool:
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
                          head_dim: int = 128) -> str:
-    """``auto``: flashinfer on CUDA for fp16/bf16 when installed, else triton on CUDA when installed,
-    else torch (the reference). Triton off CUDA only in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """``auto``: on CUDA for fp16/bf16, flashinfer-triton (FlashInfer extends, Triton decodes) when both
+    are installed, flashinfer when only it is; else triton on CUDA when installed; else torch (the
+    reference). Triton off CUDA only in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     flashinfer_ok = device.type == "cuda" and dtype in _HALF and head_dim in FLASHINFER_HEAD_DIMS
     if name != "auto":
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
-        if name == "flashinfer" and not flashinfer_ok:
-            raise ValueError(f"attention backend flashinfer needs a CUDA device, dtype float16 or bfloat16 and "
+        if name.startswith("flashinfer") and not flashinfer_ok:
+            raise ValueError(f"attention backend {name} needs a CUDA device, dtype float16 or bfloat16 and "
                              f"head_dim in {FLASHINFER_HEAD_DIMS} (got {device.type}, {dtype}, {head_dim})")
         if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention backend triton needs a CUDA device, or TRITON_INTERPRET=1 for Triton's "
                              f"CPU interpreter (got {device.type})")
         return name
     if flashinfer_ok and _importable("flashinfer"):
-        return "flashinfer"
+        return "flashinfer-triton" if _importable("triton") else "flashinfer"
     if device.type == "cuda" and _importable("triton"):
         return "triton"
     return "torch"

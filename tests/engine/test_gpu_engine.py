@@ -30,11 +30,12 @@ def test_fp32_cuda_greedy_equals_transformers(tmp_path: Path, arch: str) -> None
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("arch", ["llama3", "mistral-window", "qwen3"])
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "flashinfer-triton"])
 def test_backend_logits_equal_torch_reference_bf16(tmp_path: Path, arch: str, page_size: int, backend: str) -> None:
     """Attention backend and fused Triton ops against the torch references (attention and ops),
     teacher-forced step by step in EXTEND, MIXED and DECODE."""
-    pytest.importorskip(backend)
+    for module in backend.split("-"):
+        pytest.importorskip(module)
     folder = make_tiny_model(arch, tmp_path / arch, head_dim=64)  # FlashInfer's Hopper kernels: 64/128/256
     prompts = mixed_prompts(8, COMMON["vocab_size"], seed=12, shared_prefix=16)
     kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, **SCHED)
@@ -49,9 +50,10 @@ def test_backend_logits_equal_torch_reference_bf16(tmp_path: Path, arch: str, pa
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("backend", ["flashinfer", "triton", "flashinfer-triton"])
 def test_cuda_graph_replay_equals_eager(tmp_path: Path, page_size: int, backend: str) -> None:
-    pytest.importorskip(backend)
+    for module in backend.split("-"):
+        pytest.importorskip(module)
     folder = make_tiny_model("llama3", tmp_path / "m", head_dim=64)
     prompts = mixed_prompts(11, COMMON["vocab_size"], seed=13)  # 11 rows: padded to the 12 bucket
     kw = dict(device="cuda", dtype="bfloat16", page_size=page_size, attention_backend=backend,

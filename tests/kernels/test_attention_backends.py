@@ -107,11 +107,12 @@ def test_torch_reference_equals_dense_attention(kind: str, page_size: int, windo
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
-def test_flashinfer_equals_torch_reference(kind: str, page_size: int, window: int | None) -> None:
+@pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-triton"])
+def test_flashinfer_equals_torch_reference(backend: str, kind: str, page_size: int, window: int | None) -> None:
     pytest.importorskip("flashinfer")
     case = make_case(kind, page_size, "cuda", torch.bfloat16)
     ref = run_backend("torch", case, page_size, "cuda", torch.bfloat16, window)
-    out = run_backend("flashinfer", case, page_size, "cuda", torch.bfloat16, window)
+    out = run_backend(backend, case, page_size, "cuda", torch.bfloat16, window)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     dense = dense_reference(case, window).float()
     assert (out.float() - dense).abs().max() < 3e-2

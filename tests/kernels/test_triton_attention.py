@@ -196,10 +196,13 @@ def test_resolve_triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("modeserve.kernels.attention.base._importable", lambda m: importable[m])
     assert resolve_backend_name("auto", cuda, torch.bfloat16, 128) == "triton"
     importable["flashinfer"] = True
-    assert resolve_backend_name("auto", cuda, torch.bfloat16, 128) == "flashinfer"
+    assert resolve_backend_name("auto", cuda, torch.bfloat16, 128) == "flashinfer-triton"
     assert resolve_backend_name("auto", cuda, torch.float32, 128) == "triton"
     assert resolve_backend_name("auto", cuda, torch.bfloat16, 96) == "triton"
+    with pytest.raises(ValueError, match="flashinfer-triton needs a CUDA device"):
+        resolve_backend_name("flashinfer-triton", cuda, torch.float32, 128)
     importable["triton"] = False
+    assert resolve_backend_name("auto", cuda, torch.bfloat16, 128) == "flashinfer"
     assert resolve_backend_name("auto", cuda, torch.float32, 128) == "torch"
 
 
