@@ -22,11 +22,12 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv,
-                      ops.argmax)
+                      ops.apply_rotary_and_store_kv, ops.argmax)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -46,4 +47,4 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     from modeserve.kernels.triton.rotary import store_kv
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     triton_ops.apply_rotary, store_kv, argmax)
+                     triton_ops.apply_rotary, store_kv, triton_ops.apply_rotary_and_store_kv, argmax)

@@ -82,6 +82,16 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
 
 
+def apply_rotary_and_store_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` then ``store_kv`` of the rotated k and of v; returns the rotated (q, k)."""
+    q, k = apply_rotary(q, k, positions, cos_sin)
+    store_kv(k_cache, v_cache, loc, k, v)
+    return q, k
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x: [S, V] -> [S] int64: the index of each row's first maximum."""
     return torch.argmax(x, dim=-1)

@@ -15,8 +15,9 @@ from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.service.bench_limits import copy_bandwidth, device_name
 
-# name -> how to build it (FlashInfer with its decode kernel forced either way, or by the default rule)
-BACKENDS = ("flashinfer", "flashinfer-tensor-cores", "flashinfer-cuda-cores", "triton", "torch")
+# FlashInfer with its decode kernel forced either way or by the default rule; triton, or triton@N
+# with N decode splits per (request, kv head) instead of the default
+BACKENDS = ("flashinfer", "flashinfer-tensor-cores", "flashinfer-cuda-cores", "triton", "triton@N", "torch")
 
 
 def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:
@@ -26,10 +27,11 @@ def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:
 
         tensor_cores = {"flashinfer": None, "flashinfer-tensor-cores": True, "flashinfer-cuda-cores": False}[name]
         return FlashInferAttentionBackend(kv, num_heads, scale, None, decode_tensor_cores=tensor_cores)
-    if name == "triton":
+    if name == "triton" or name.startswith("triton@"):
         from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(kv, num_heads, scale, None)
+        splits = int(name.removeprefix("triton@")) if "@" in name else None
+        return TritonAttentionBackend(kv, num_heads, scale, None, num_kv_splits=splits)
     if name == "torch":
         from modeserve.kernels.attention.torch_backend import TorchAttentionBackend
 

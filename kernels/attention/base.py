@@ -43,8 +43,9 @@ class AttentionBackend(abc.ABC):
     """Computes attention for one layer over the paged KV cache.
 
     Invariant: ``init_forward_metadata`` is called once per step before any layer's ``forward``;
-    ``forward`` first writes this step's k/v at ``out_cache_loc``, then attends each query to its
-    request's keys ``req_to_token[r, :seq_len]`` (causal: a query at position p sees keys <= p).
+    ``forward`` first writes this step's k/v at ``out_cache_loc`` (unless the caller already did, at
+    ``kv_destination``), then attends each query to its request's keys ``req_to_token[r, :seq_len]``
+    (causal: a query at position p sees keys <= p).
     """
 
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> None:
@@ -52,13 +53,20 @@ class AttentionBackend(abc.ABC):
         self.num_heads = num_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self._out_cache_loc = torch.zeros(0, dtype=torch.int64, device=kv_cache.k[0].device)
+
+    def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, out_cache_loc) of this step and layer: where a fused op may store the
+        step's k/v itself before ``forward(..., kv_stored=True)``."""
+        return self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], self._out_cache_loc
 
     @abc.abstractmethod
     def init_forward_metadata(self, inputs: AttentionInputs) -> None: ...
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``kv_stored``: k/v are in the cache already."""
 
     # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both:
     # ``init_capture`` before capturing ``bs`` rows (this step's KV writes go to ``out_cache_loc``, a

@@ -128,8 +128,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                      num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,
                      window_left=self._window_left, sm_scale=self.scale, q_data_type=kv.dtype, kv_data_type=kv.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
         # q: [T, Hq, D], k/v: [T, Hkv, D]
-        self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
+        if not kv_stored:
+            self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
         out: torch.Tensor = self._wrapper.run(q.contiguous(), self.kv_cache.paged(layer_id))  # type: ignore[attr-defined]
         return out

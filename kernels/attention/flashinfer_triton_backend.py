@@ -38,5 +38,9 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         self._active = self._decode
         self._decode.init_replay(inputs, bs)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        return self._active.forward(q, k, v, layer_id)
+    def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._active.kv_destination(layer_id)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
+        return self._active.forward(q, k, v, layer_id, kv_stored)

@@ -95,9 +95,11 @@ class TorchAttentionBackend(AttentionBackend):
         return _DecodeRows(torch.tensor(tokens_cpu, device=device), kv_idx,
                            _additive(valid[:, None, None, :], inputs.dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
         # q: [T, Hq, D], k/v: [T, Hkv, D]
-        self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
+        if not kv_stored:
+            self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         out = torch.empty_like(q)
         for row in self._extend:

@@ -40,14 +40,16 @@ class _ExtendMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> None:
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
+                 num_kv_splits: int | None = None) -> None:
+        """``num_kv_splits``: decode splits per (request, kv head); None: ``default_num_kv_splits``."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
+        self._num_kv_splits = num_kv_splits
         self._device = kv_cache.k[0].device
         self._dummy_table = torch.zeros(1, 1, dtype=torch.int64, device=self._device)  # one row: slot 0
         self._table_ref = table_ref(self._dummy_table).to(self._device)  # [2]: address, row stride
         self._bound_table: torch.Tensor = self._dummy_table
         self._meta: _DecodeMeta | _ExtendMeta | None = None
-        self._out_cache_loc = torch.zeros(0, dtype=torch.int64, device=self._device)
         self._graph_meta: dict[int, _DecodeMeta] = {}  # batch-size bucket -> static buffers
 
     def _bind_table(self, req_to_token: torch.Tensor) -> None:
@@ -92,14 +94,16 @@ class TritonAttentionBackend(AttentionBackend):
         self._bind_table(inputs.req_to_token)
         self._meta = meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
         # q: [T, Hq, D], k/v: [T, Hkv, D]
-        self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
+        if not kv_stored:
+            self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         meta = self._meta
         if isinstance(meta, _DecodeMeta):
             return decode_attention(q, k_cache, v_cache, self._table_ref, meta.req_pool_indices, meta.seq_lens,
-                                    self.scale, self.sliding_window)
+                                    self.scale, self.sliding_window, self._num_kv_splits)
         if isinstance(meta, _ExtendMeta):
             return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,
                                     meta.prefix_lens, meta.extend_lens, meta.max_extend_len, self.scale,

@@ -122,6 +122,28 @@ def check_store_kv(t: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: to
         loc = loc.roll(1)  # the next pair lands on other slots
 
 
+def check_rotary_and_store_kv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                              device: str) -> None:
+    """The fused kernel's (q, k) and cache contents equal the references run one after the other, bit for bit."""
+    max_pos = 300
+    cos_sin = ops.rope_cos_sin(ops.rope_inv_freq(d, 10000.0), max_pos).to(device)
+    g = torch.Generator().manual_seed(t + 1)
+    positions = torch.randint(0, max_pos, (t,), generator=g).to(device)
+    num_slots = 4 * t + 8
+    loc = torch.randperm(num_slots, generator=g)[:t].to(device)
+    q, k, v = fused_qkv(t, hq, hkv, d, dtype, device)
+    ref = KVCache(1, num_slots, hkv, d, page_size=1, dtype=cache_dtype, device=torch.device(device))
+    out = KVCache(1, num_slots, hkv, d, page_size=1, dtype=cache_dtype, device=torch.device(device))
+    layouts = [(k, v), (padded_heads(k), padded_heads(v))]
+    for kk, vv in layouts if t <= 8 else layouts[:1]:
+        q_ref, k_ref = ops.apply_rotary_and_store_kv(q, kk, vv, positions, cos_sin, ref.k[0], ref.v[0], loc)
+        q_out, k_out = triton_ops.apply_rotary_and_store_kv(q, kk, vv, positions, cos_sin, out.k[0], out.v[0], loc)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        assert torch.equal(out.k[0], ref.k[0]) and torch.equal(out.v[0], ref.v[0])
+        assert out.k[0][loc].abs().sum() > 0  # the rotated keys did land
+        loc = loc.roll(1)
+
+
 # ---- CPU: Triton's interpreter ----
 
 SHAPES = [(t, h) for t in (1, 7, 64) for h in (64, 96, 576)]
@@ -170,6 +192,15 @@ def test_apply_rotary(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_store_kv(t: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     check_store_kv(t, hkv, d, dtype, cache_dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                               (torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+@pytest.mark.parametrize("t", [1, 7])
+def test_apply_rotary_and_store_kv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+                                   cache_dtype: torch.dtype) -> None:
+    check_rotary_and_store_kv(t, hq, hkv, d, dtype, cache_dtype, "cpu")
 
 
 def test_leading_dims_and_empty_inputs() -> None:
@@ -251,3 +282,11 @@ def test_silu_and_mul_gpu(t: int, inter: int, dtype: torch.dtype) -> None:
 def test_store_kv_gpu(t: int, hkv: int, d: int, dtype: torch.dtype) -> None:
     check_store_kv(t, hkv, d, dtype, dtype, "cuda")
     check_store_kv(t, hkv, d, torch.float32, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (32, 8, 128), (32, 8, 64)])
+@pytest.mark.parametrize("t", [1, 7, 1000])
+def test_apply_rotary_and_store_kv_gpu(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+    check_rotary_and_store_kv(t, hq, hkv, d, dtype, dtype, "cuda")
