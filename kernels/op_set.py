@@ -24,6 +24,9 @@ class KernelOps:
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
+    # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
+    gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv,
@@ -44,7 +47,9 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
         return TORCH_OPS
     from modeserve.kernels.triton import ops as triton_ops
     from modeserve.kernels.triton.argmax import argmax
+    from modeserve.kernels.triton.gemv import gemv, gemv_is_faster
     from modeserve.kernels.triton.rotary import store_kv
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     triton_ops.apply_rotary, store_kv, triton_ops.apply_rotary_and_store_kv, argmax)
+                     triton_ops.apply_rotary, store_kv, triton_ops.apply_rotary_and_store_kv, argmax,
+                     gemv, gemv_is_faster)

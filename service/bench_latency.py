@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
         "graph_stats": runner.graphs.stats() if runner.graphs else None,
+        "one_row_linear": runner.gemv_report,  # per weight shape: GEMV kernel vs cuBLAS at batch 1, µs
     }
     if profile is not None:
         out["decode_profile"] = profile

@@ -16,6 +16,7 @@ import torch
 from modeserve.engine.config import RunnerConfig
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.forward_mode import ForwardMode
+from modeserve.engine.models.linear import choose_gemv
 from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
 from modeserve.engine.runner import sampler
 from modeserve.engine.runner.cuda_graph_runner import CudaGraphRunner
@@ -57,6 +58,9 @@ class ModelRunner:
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
         self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
+        self.gemv_report: dict[str, dict[str, float | bool]] = {}
+        if self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
+            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer)
 
     def _init_memory(self) -> None:
         mc = self.model_config
