@@ -44,7 +44,9 @@ class RankView:
     draining: bool = False     # rank >= desired replicas: on its way out
 
     def status(self) -> Obj:
-        entry: Obj = {"rank": self.rank, "address": self.address, "state": self.state}
+        """``podReady`` lets a router that follows the status tell a Joining rank it connects to (pod
+        Ready, the router is joining it) from one without an engine yet (``service.engineset_watch``)."""
+        entry: Obj = {"rank": self.rank, "address": self.address, "state": self.state, "podReady": self.pod_ready}
         if self.pod is not None:
             entry["pod"] = self.pod
         return entry
@@ -130,7 +132,7 @@ def rank_views(pods: Sequence[Mapping[str, Any]], replicas: int, draining: set[i
 
 def rank_table(pods: Sequence[Mapping[str, Any]], replicas: int, draining: set[int] | frozenset[int],
                router_states: Mapping[int, str] | None, *, name: str = "", namespace: str = "") -> list[Obj]:
-    """``status.ranks``: [{rank, pod, address, state}] sorted by rank (see ``rank_views``)."""
+    """``status.ranks``: [{rank, pod, address, state, podReady}] sorted by rank (see ``rank_views``)."""
     return [v.status() for v in rank_views(pods, replicas, draining, router_states, name=name, namespace=namespace)]
 
 

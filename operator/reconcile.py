@@ -39,6 +39,7 @@ class OperatorConfig:
     default_image_pull_policy: str = "IfNotPresent"
     router_timeout: float = 5.0
     router_retry_delay: float = 10.0
+    router_service_account: str = ""  # routers run as it and follow their EngineSet's status ("": SetRanks only)
 
     def __post_init__(self) -> None:
         if not self.namespaces or any(not ns for ns in self.namespaces):
@@ -103,8 +104,8 @@ class EngineSetReconciler:
             self._write_status(es, {"observedGeneration": meta.get("generation"),
                                     "conditions": invalid_spec_conditions(str(exc), previous, _timestamp())})
             raise
-        for obj in (res.engine_configmap(es, spec.replicas), res.engine_service(es), res.router_deployment(es, spec),
-                    res.router_service(es)):
+        router = res.router_deployment(es, spec, self.config.router_service_account)
+        for obj in (res.engine_configmap(es, spec.replicas), res.engine_service(es), router, res.router_service(es)):
             _, action = self.kube.apply(obj)
             if action != "unchanged":
                 events.append((action.capitalize(), f"{obj['kind']} {obj['metadata']['name']} {action}"))

@@ -184,9 +184,13 @@ def engine_service(es: Obj) -> Obj:
     }
 
 
-def router_deployment(es: Obj, spec: EngineSetSpec) -> Obj:
+def router_deployment(es: Obj, spec: EngineSetSpec, service_account: str = "") -> Obj:
+    """The router. With ``service_account`` (allowed to get/list/watch EngineSets: the chart's router
+    Role) it follows this EngineSet's published rank table (``--engineset``); without, it starts on
+    rank 0 and learns the others from the operator's SetRanks only."""
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
-    args = ["router", "--engines", rank_address(name, ns, 0), "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+    ranks = ["--engineset", name, "--namespace", ns] if service_account else ["--engines", rank_address(name, ns, 0)]
+    args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")
@@ -207,6 +211,10 @@ def router_deployment(es: Obj, spec: EngineSetSpec) -> Obj:
     }
     volumes, mounts = _model_volume(spec)  # the router loads the tokenizer from the model folder
     container["volumeMounts"] += mounts
+    pod_spec: Obj = {"securityContext": _pod_security(), "containers": [container],
+                     "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}
+    if service_account:
+        pod_spec = {"serviceAccountName": service_account, **pod_spec}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": f"{name}-router", "namespace": ns, "labels": labels(name, "router"),
@@ -214,9 +222,7 @@ def router_deployment(es: Obj, spec: EngineSetSpec) -> Obj:
         "spec": {
             "replicas": spec.router_replicas,
             "selector": {"matchLabels": selector(name, "router")},
-            "template": {"metadata": {"labels": labels(name, "router")},
-                         "spec": {"securityContext": _pod_security(), "containers": [container],
-                                  "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}},
+            "template": {"metadata": {"labels": labels(name, "router")}, "spec": pod_spec},
         },
     }
 

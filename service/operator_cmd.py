@@ -22,6 +22,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--router-timeout", type=float, default=5.0, help="seconds per Admin call to a router")
     p.add_argument("--router-retry-delay", type=float, default=10.0,
                    help="seconds before retrying when a router does not answer")
+    p.add_argument("--router-service-account", default="",
+                   help="routers run as this ServiceAccount (get/list/watch on enginesets) and follow their "
+                        "EngineSet's rank table; empty: they learn it from the operator's SetRanks only")
     p.set_defaults(func=run)
 
 
@@ -36,6 +39,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
         default_image_pull_policy=env.get("MODESERVE_IMAGE_PULL_POLICY") or "IfNotPresent",
         router_timeout=args.router_timeout,
         router_retry_delay=args.router_retry_delay,
+        router_service_account=args.router_service_account,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from modeserve.engine.tokenizer import Tokenizer
@@ -25,6 +25,7 @@ class RouterApp:
     table: RankTable
     metrics: MetricsServer
     tracing: Tracing
+    on_stop: list[Callable[[], None]] = field(default_factory=list)  # first thing stop() does (rank sources)
 
     @property
     def port(self) -> int:
@@ -35,6 +36,8 @@ class RouterApp:
         return self.table.all_loops()
 
     def stop(self, grace: float = 5.0) -> None:
+        for stop in self.on_stop:
+            stop()
         self.server.shutdown(grace).wait()
         self.table.close()
         self.metrics.stop()
@@ -47,6 +50,8 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
 
     print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
     code = serve_until_signal(app.server, grace)
+    for stop in app.on_stop:
+        stop()
     app.table.close()
     app.tracing.shutdown()
     return code

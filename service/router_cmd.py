@@ -1,5 +1,5 @@
-"""``modeserve router --engines host:port[,...]``: the Generate service over remote engine servers,
-one scheduler (and one Forward stream) per engine."""
+"""``modeserve router --engines host:port[,...]`` (or ``--engineset NAME`` in Kubernetes): the Generate
+service over remote engine servers, one scheduler (and one Forward stream) per engine."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,10 +27,18 @@ from modeserve.service.request_params import RequestLimits
 from modeserve.service.router_app import RouterApp, start_router
 from modeserve.service.transport import GrpcTransport
 
+if TYPE_CHECKING:  # the kubernetes client is imported only when the router follows an EngineSet
+    from modeserve.service.engineset_watch import EngineSetWatch
+
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("router", help="serve Generate over remote engine servers")
-    p.add_argument("--engines", required=True, help="comma-separated host:port of engine servers")
+    ranks = p.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--engines", help="comma-separated host:port of engine servers (rank i: the i-th)")
+    ranks.add_argument("--engineset", help="follow this EngineSet's rank table (status.ranks, published by the "
+                                           "operator); needs get/list/watch on enginesets")
+    p.add_argument("--namespace", default=None,
+                   help="the EngineSet's namespace (default: $POD_NAMESPACE, else this pod's service account's)")
     p.add_argument("--model", default=None, help="where to load the tokenizer (default: the engine's model path)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
@@ -106,9 +114,33 @@ def engine_healthy(address: str, timeout: float = 2.0) -> bool:
 def start_remote_router(address: str, engines: list[str], model: str | None, sched_cfg: SchedulerConfig,
                         overlap: bool = True, max_queued_requests: int = 1024, wait: float = 120.0,
                         dispatch: str = "prefix", lockstep: bool = False,
-                        health_interval: float = 1.0, metrics_port: int | None = None) -> RouterApp:
-    """Router over remote engines; rank i is ``engines[i]`` (more may join through Admin/SetRanks)."""
-    _, desc = describe_engine(engines[0], wait)  # the model's facts: tokenizer, limits
+                        health_interval: float = 1.0, metrics_port: int | None = None,
+                        watch: EngineSetWatch | None = None) -> RouterApp:
+    """Router over remote engines; rank i is ``engines[i]``. With ``watch`` (not started yet; the
+    router starts and stops it), the ranks are its EngineSet's instead: the router waits up to ``wait``
+    seconds for a table with a rank, then follows every new one. Admin/SetRanks changes them too."""
+    if watch is None:
+        return _start(address, [RankSpec(i, e) for i, e in enumerate(engines)], model, sched_cfg, overlap,
+                      max_queued_requests, wait, dispatch, lockstep, health_interval, metrics_port)
+    try:
+        app = _start(address, watch.start().wait_ranks(wait), model, sched_cfg, overlap, max_queued_requests,
+                     wait, dispatch, lockstep, health_interval, metrics_port, follow=watch.follow)
+    except BaseException:
+        watch.stop()
+        raise
+    app.on_stop.append(watch.stop)
+    return app
+
+
+def _start(address: str, initial: list[RankSpec], model: str | None, sched_cfg: SchedulerConfig, overlap: bool,
+           max_queued_requests: int, wait: float, dispatch: str, lockstep: bool, health_interval: float,
+           metrics_port: int | None, follow: Callable[[Callable[[list[RankSpec]], None]], None] | None = None
+           ) -> RouterApp:
+    """``start_remote_router`` from its first ranks; ``follow`` hands it later ones."""
+    if not initial:
+        raise ValueError("router: no engines")
+    first = next((s for s in initial if not s.draining), initial[0])
+    _, desc = describe_engine(first.address, wait)  # the model's facts: tokenizer, limits
     source = model or (desc.model_path if Path(desc.model_path).exists() else None)
     tokenizer: Tokenizer | None = load_tokenizer(source) if source else None
     decode = tokenizer.decode if tokenizer is not None else None
@@ -125,7 +157,9 @@ def start_remote_router(address: str, engines: list[str], model: str | None, sch
         return loop
 
     table = RankTable(connect, Dispatcher(dispatch), health=engine_healthy, health_interval=health_interval)
-    table.set_ranks([RankSpec(i, e) for i, e in enumerate(engines)])
+    table.set_ranks(initial)
+    if follow is not None:
+        follow(table.set_ranks)
     table.wait_ready(wait + 30)
     limits = RequestLimits(max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
@@ -133,12 +167,28 @@ def start_remote_router(address: str, engines: list[str], model: str | None, sch
                         tracing)
 
 
+def engineset_watch(name: str, namespace: str | None) -> EngineSetWatch:
+    """The watch ``--engineset``/``--namespace`` ask for, with the environment's credentials."""
+    try:
+        from modeserve.service.engineset_watch import EngineSetWatch, api_client_from_environment, pod_namespace
+    except ImportError as exc:  # the kubernetes client comes with the `operator` extra (the image has it)
+        raise ValueError(f"router: --engineset needs the kubernetes client (pip install 'modeserve[operator]'): "
+                         f"{exc}") from exc
+
+    namespace = namespace or pod_namespace()
+    if not namespace:
+        raise ValueError("router: --engineset needs --namespace (no $POD_NAMESPACE, no service account namespace)")
+    return EngineSetWatch(api_client_from_environment(), namespace, name)
+
+
 def run(args: argparse.Namespace) -> int:
     from modeserve.service.grpc_common import grpc_address
     from modeserve.service.router_app import serve_app
 
-    app = start_remote_router(grpc_address(args.host, args.port), [e for e in args.engines.split(",") if e],
+    watch = engineset_watch(args.engineset, args.namespace) if args.engineset else None
+    engines = [e for e in (args.engines or "").split(",") if e]
+    app = start_remote_router(grpc_address(args.host, args.port), engines,
                               args.model, SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), args.overlap,
                               args.max_queued_requests, args.engine_wait, args.dispatch, args.dp_lockstep,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, watch=watch)
     return serve_app(app, "router", args.host, args.grace_period)

@@ -77,7 +77,9 @@ def test_rendered_objects_validate_strict(helm: Path, k8s_version: str, sets: li
         assert metric["describedObject"] == {"apiVersion": "v1", "kind": "Service", "name": "demo"}
         assert metric["metric"]["name"] == "modeserve_queue_requests"
         roles = [o for o in objs if o["kind"] == "Role"]
-        assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+        assert sorted((r["metadata"]["namespace"], r["metadata"]["name"]) for r in roles) == [
+            ("team-a", "rel-modeserve-operator"), ("team-a", "rel-modeserve-router"),
+            ("team-b", "rel-modeserve-operator"), ("team-b", "rel-modeserve-router")]
 
 
 def test_operator_pod_is_locked_down_and_rbac_is_least_privilege(helm: Path) -> None:
@@ -86,12 +88,19 @@ def test_operator_pod_is_locked_down_and_rbac_is_least_privilege(helm: Path) -> 
     sec = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sec["runAsNonRoot"] and sec["readOnlyRootFilesystem"] and sec["capabilities"]["drop"] == ["ALL"]
     assert not sec["allowPrivilegeEscalation"]
-    role = next(o for o in objs if o["kind"] == "Role")
+    role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-operator"))
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
     assert ("", "secrets", "get") not in granted and not any(v == "*" or r == "*" for _, r, v in granted)
     assert ("modeserve.io", "enginesets/status", "patch") in granted
     assert ("apps", "statefulsets", "delete") in granted  # cleanup of what it created
+    # the routers read EngineSets in their namespace (to follow their rank table), nothing else
+    router_role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-router"))
+    assert router_role["rules"] == [{"apiGroups": ["modeserve.io"], "resources": ["enginesets"],
+                                     "verbs": ["get", "list", "watch"]}]
+    router_binding = next(o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["name"].endswith("-router"))
+    assert router_binding["roleRef"]["name"] == router_role["metadata"]["name"]
+    assert router_binding["subjects"][0]["name"] != dep["spec"]["template"]["spec"]["serviceAccountName"]
     cluster = next(o for o in objs if o["kind"] == "ClusterRole")
     assert cluster["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
                                  "verbs": ["get", "list", "watch"]}]
@@ -99,9 +108,21 @@ def test_operator_pod_is_locked_down_and_rbac_is_least_privilege(helm: Path) -> 
 
 def test_values_schema_rejects_bad_values(helm: Path) -> None:
     for bad in ("autoscaling.maxReplicas=0", "image.pullPolicy=Sometimes", "sampleEngineSet.name=Bad_Name",
-                "nonsense=1"):
+                "nonsense=1", "router.serviceAccount.nonsense=1"):
         proc = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True)
         assert proc.returncode != 0 and "schema" in proc.stderr.lower(), (bad, proc.stderr)
+
+
+def test_routers_can_run_as_an_existing_service_account(helm: Path) -> None:
+    proc = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", "router.serviceAccount.create=false"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "router.serviceAccount.name" in proc.stderr
+    objs = render(helm, "router.serviceAccount.create=false", "router.serviceAccount.name=mine")
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"] == ["rel-modeserve"]  # the operator's
+    binding = next(o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["name"].endswith("-router"))
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mine", "namespace": "serving"}]
+    operator = next(o for o in objs if o["kind"] == "Deployment")
+    assert "--router-service-account=mine" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_crd_has_scale_subresource_and_printer_columns() -> None:

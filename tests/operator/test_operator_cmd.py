@@ -24,6 +24,15 @@ def test_chart_operator_command_line_is_accepted(helm: Path) -> None:  # noqa: F
     assert config.default_image == env["MODESERVE_IMAGE"] != ""
     assert config.default_image_pull_policy == env["MODESERVE_IMAGE_PULL_POLICY"]
     assert args.operator_log_level == "INFO"
+    # routers run as the chart's router ServiceAccount, which may read EngineSets in each namespace
+    assert config.router_service_account == "rel-modeserve-router"
+    for ns in ("team-a", "team-b"):
+        account = next(o for o in objs if o["kind"] == "ServiceAccount" and o["metadata"]["namespace"] == ns)
+        binding = next(o for o in objs if o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == ns
+                       and o["metadata"]["name"].endswith("-router"))
+        assert account["metadata"]["name"] == config.router_service_account
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": config.router_service_account,
+                                        "namespace": ns}]
     probe = container["livenessProbe"]["httpGet"]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe["port"])
     assert args.liveness.endswith(f":{port}{probe['path']}")

@@ -227,7 +227,7 @@ async def harness(kmock: Any) -> AsyncIterator[Harness]:
     kmock.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
     url = str(kmock.url).rstrip("/")
     config = OperatorConfig(namespaces=(NS,), reconcile_interval=0.2, default_image="modeserve:test",
-                            router_retry_delay=0.2)
+                            router_retry_delay=0.2, router_service_account="modeserve-router")
     router = FakeRouter(kmock)
     registry = create_registry(EngineSetReconciler(config, Kube.for_server(url), router),
                                login=lambda **_: kopf.ConnectionInfo(server=url))
@@ -262,8 +262,9 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
             "controller": True, "blockOwnerDeletion": True}]
     assert objs["v1/services", f"{NAME}-engine"]["spec"]["clusterIP"] == "None"
     assert objs["v1/services", NAME]["spec"]["ports"][0]["port"] == 50051
-    router = objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]["containers"][0]
-    assert router["args"][0] == "router"
+    router_pod = objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]
+    assert router_pod["containers"][0]["args"][:5] == ["router", "--engineset", NAME, "--namespace", NS]
+    assert router_pod["serviceAccountName"] == "modeserve-router"  # may watch EngineSets (the chart's Role)
     es = harness.engineset()
     assert es["metadata"]["finalizers"] == ["modeserve.io/engineset-cleanup"]
     assert es["status"]["selector"] == res.engine_selector_string(NAME) and es["status"]["observedGeneration"] == 1

@@ -46,8 +46,11 @@ def test_rank_table_states_from_pods_and_router() -> None:
     table = rank_table(pods, 7, set(), router, name="llama", namespace=NS)
     assert states(table) == {0: "Ready", 1: "Joining", 2: "Joining", 3: "NotReady", 4: "NotReady", 5: "NotReady",
                              6: "Joining"}  # 2: still starting; 4: started, failing readiness; 6: no pod yet
-    assert table[0] == {"rank": 0, "address": rank_address("llama", NS, 0), "state": "Ready", "pod": "llama-engine-0"}
+    assert table[0] == {"rank": 0, "address": rank_address("llama", NS, 0), "state": "Ready", "pod": "llama-engine-0",
+                        "podReady": True}
     assert "pod" not in table[6] and table[6]["address"] == rank_address("llama", NS, 6)
+    # a Joining rank the router connects to (its pod is Ready) vs one still loading or without a pod
+    assert [table[r]["podReady"] for r in (1, 2, 6)] == [True, False, False]
 
 
 def test_rank_table_without_router_answer_trusts_pod_readiness() -> None:

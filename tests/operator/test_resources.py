@@ -60,12 +60,25 @@ def test_engine_statefulset_ranks_probes_and_drain() -> None:
 def test_router_points_at_rank_zero_and_serves_generate() -> None:
     _, headless, router, service, _ = objects()
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
-    c = router["spec"]["template"]["spec"]["containers"][0]
+    pod = router["spec"]["template"]["spec"]
+    c = pod["containers"][0]
     parsed = build_parser().parse_args(c["args"])
     assert parsed.engines == "llama-engine-0.llama-engine.serving.svc:50061" and parsed.dispatch == "prefix"
+    assert parsed.engineset is None and "serviceAccountName" not in pod  # no rights to read EngineSets
     assert parsed.metrics_port == res.METRICS_PORT
     assert c["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Generate"
     assert service["metadata"]["name"] == "llama" and service["spec"]["ports"][0]["port"] == 50051
+
+
+@pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
+def test_router_with_a_service_account_follows_its_engineset(k8s_version: str) -> None:
+    spec = parse_spec(ES["spec"], default_image="img")
+    router = res.router_deployment(ES, spec, "rel-modeserve-router")
+    kubernetes_validate.validate(router, k8s_version, strict=True)
+    pod = router["spec"]["template"]["spec"]
+    parsed = build_parser().parse_args(pod["containers"][0]["args"])
+    assert (parsed.engineset, parsed.namespace, parsed.engines) == ("llama", "serving", None)
+    assert pod["serviceAccountName"] == "rel-modeserve-router"
 
 
 def test_invalid_spec_names_every_problem() -> None:

@@ -33,6 +33,15 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* ServiceAccount the routers run as, in each watched namespace (the operator names it in their pods). */}}
+{{- define "modeserve.routerServiceAccountName" -}}
+{{- if .Values.router.serviceAccount.create -}}
+{{- default (printf "%s-router" (include "modeserve.fullname" .)) .Values.router.serviceAccount.name -}}
+{{- else -}}
+{{- required "router.serviceAccount.name: the routers' existing ServiceAccount (router.serviceAccount.create is false)" .Values.router.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Namespaces the operator watches and gets rights in. */}}
 {{- define "modeserve.watchNamespaces" -}}
 {{- if .Values.operator.watchNamespaces -}}
