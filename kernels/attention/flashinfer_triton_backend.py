@@ -1,42 +1,59 @@
-"""FlashInfer for EXTEND and MIXED, the project's Triton split-K kernel for DECODE (eager and in
-CUDA graphs), over the one paged KV cache.
+"""FlashInfer for EXTEND, MIXED and large DECODE batches, the project's Triton split-K kernel for
+DECODE batches of up to ``TRITON_DECODE_MAX_ROWS`` rows (eager and in CUDA graphs, chosen per
+graph bucket), over the one paged KV cache.
 
-``modeserve bench attention`` on an H200 (bf16, page 16, 544-token contexts, KV store included):
-per layer the Triton decode step took 10.4/17.5/48.2/163.6 µs at batch 1/8/64/256 (head_dim 128,
-8 kv heads) against FlashInfer's best of its two decode kernels at 13.8/20.0/58.7/168.9 µs; with
-head_dim 64, 9.6/37.7 µs at batch 1/64 against 10.9/42.8. FlashInfer's prefill kernels stay for
-extends (the 4096-token prefill ran at 0.815 of the measured matmul rate)."""
+``modeserve bench attention`` on an H200 (bf16, page 16, 32 query / 8 kv heads, KV store included),
+µs per layer, Triton vs FlashInfer (its faster, tensor-core decode kernel):
+  head_dim 128, 544-token contexts: 10.4/13.8 at batch 1, 17.5/20.0 at 8, 48.2/58.7 at 64, 163.6/168.9 at 256;
+  head_dim 128, 1088-token contexts: 11.0/14.6 at batch 1, 82.2/88.0 at 64, 310.4/292.2 at 256;
+  head_dim 64, 544-token contexts: 9.6/13.5 at batch 1, 37.7/42.8 at 64.
+FlashInfer's prefill kernels stay for extends (a 4096-token prefill ran at 0.815 of the measured
+matmul rate)."""
 
 from __future__ import annotations
 
 import torch
 
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
-from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
+
+TRITON_DECODE_MAX_ROWS = 128  # above: FlashInfer (it wins at batch 256 with 1k-token contexts)
 
 
 class FlashInferTritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> None:
+    def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
+                 flashinfer: AttentionBackend | None = None, triton: AttentionBackend | None = None) -> None:
+        """``flashinfer``/``triton``: the two backends (built here when not given)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
-        self._extend = FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
-        self._decode = TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
-        self._active: AttentionBackend = self._decode
+        if flashinfer is None:
+            from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+            flashinfer = FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+        if triton is None:
+            from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
+
+            triton = TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+        self._flashinfer, self._triton = flashinfer, triton
+        self._active: AttentionBackend = triton
+
+    def _for_decode(self, rows: int) -> AttentionBackend:
+        return self._triton if rows <= TRITON_DECODE_MAX_ROWS else self._flashinfer
 
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
-        self._active = self._decode if all(e == 1 for e in inputs.extend_lens_cpu) else self._extend
+        extend_lens = inputs.extend_lens_cpu
+        decode = all(e == 1 for e in extend_lens)
+        self._active = self._for_decode(len(extend_lens)) if decode else self._flashinfer
         self._active.init_forward_metadata(inputs)
 
     def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
-        self._active = self._decode
-        self._decode.init_capture(bs, out_cache_loc)
+        self._active = self._for_decode(bs)
+        self._active.init_capture(bs, out_cache_loc)
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        self._active = self._decode
-        self._decode.init_replay(inputs, bs)
+        self._active = self._for_decode(bs)
+        self._active.init_replay(inputs, bs)
 
     def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._active.kv_destination(layer_id)

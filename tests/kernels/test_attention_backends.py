@@ -128,3 +128,63 @@ def test_flashinfer_decode_kernels_both_ways(page_size: int, tensor_cores: bool)
     case = make_case("decode", page_size, "cuda", torch.bfloat16)
     out = run_backend("flashinfer", case, page_size, "cuda", torch.bfloat16, None, decode_tensor_cores=tensor_cores)
     assert (out.float() - dense_reference(case, None).float()).abs().max() < 3e-2
+
+
+class _Recorder(AttentionBackend):
+    """Records which hook ran; attention itself is the torch reference's."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str, int]], inner: AttentionBackend) -> None:
+        super().__init__(inner.kv_cache, inner.num_heads, inner.scale, inner.sliding_window)
+        self.name, self.calls, self.inner = name, calls, inner
+
+    def init_forward_metadata(self, inputs: AttentionInputs) -> None:
+        self.calls.append((self.name, "plan", len(inputs.extend_lens_cpu)))
+        self.inner.init_forward_metadata(inputs)
+
+    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+        self.calls.append((self.name, "capture", bs))
+
+    def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
+        self.calls.append((self.name, "replay", bs))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                kv_stored: bool = False) -> torch.Tensor:
+        self.calls.append((self.name, "forward", q.shape[0]))
+        return self.inner.forward(q, k, v, layer_id, kv_stored)
+
+
+def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
+    """Extends and MIXED go to FlashInfer, decodes of up to TRITON_DECODE_MAX_ROWS rows to Triton
+    (graph buckets too), bigger decodes to FlashInfer; the chosen backend computes the answer."""
+    from modeserve.kernels.attention.flashinfer_triton_backend import (
+        TRITON_DECODE_MAX_ROWS,
+        FlashInferTritonAttentionBackend,
+    )
+
+    calls: list[tuple[str, str, int]] = []
+    for kind in ("mixed", "decode"):
+        case = make_case(kind, 16, "cpu", torch.float32)
+        cache = KVCache(1, case["num_slots"], HKV, D, 16, torch.float32, torch.device("cpu"))
+        cache.k[0].copy_(case["k_hist"])
+        cache.v[0].copy_(case["v_hist"])
+        ref = create_attention_backend("torch", torch.device("cpu"), torch.float32, kv_cache=cache, num_heads=HQ,
+                                       scale=1 / math.sqrt(D), sliding_window=None)
+        hybrid = FlashInferTritonAttentionBackend(cache, HQ, 1 / math.sqrt(D), None,
+                                                  flashinfer=_Recorder("flashinfer", calls, ref),
+                                                  triton=_Recorder("triton", calls, ref))
+        ext = case["ext"]
+        hybrid.init_forward_metadata(AttentionInputs(
+            forward_mode=ForwardMode.DECODE if kind == "decode" else ForwardMode.MIXED,
+            req_pool_indices=torch.arange(len(ext)), prefix_lens_cpu=case["prefix"], extend_lens_cpu=ext,
+            seq_lens=torch.tensor(case["seq"]), out_cache_loc=case["out_loc"], req_to_token=case["req_to_token"],
+            dtype=torch.float32))
+        out = hybrid.forward(case["q"], case["k"], case["v"], 0)
+        torch.testing.assert_close(out.double(), dense_reference(case, None), rtol=1e-5, atol=1e-5)
+        expected = "flashinfer" if kind == "mixed" else "triton"
+        assert calls[-2:] == [(expected, "plan", len(ext)), (expected, "forward", case["q"].shape[0])]
+    loc = torch.zeros(256, dtype=torch.int64)
+    for bs in (1, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1, 256):
+        hybrid.init_capture(bs, loc[:bs])
+        hybrid.init_replay(None, bs)  # type: ignore[arg-type]  # the recorder does not read it
+        name = "triton" if bs <= TRITON_DECODE_MAX_ROWS else "flashinfer"
+        assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]
