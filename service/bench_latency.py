@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.service.bench_limits import device_name, measure_roofline, sync
+from modeserve.service.bench_limits import device_name, measure_roofline, ratio, sync
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
@@ -27,11 +27,6 @@ def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
     if args.model:
         return Path(args.model), "auto"
     return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
-
-
-def ratio(x: float) -> float:
-    """Three significant digits (a tiny CPU model's ratios are far below 0.001)."""
-    return float(f"{x:.3g}")
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -21,6 +21,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def ratio(x: float) -> float:
+    """A figure over its limit, to three significant digits (a tiny CPU model's are far below 0.001)."""
+    return float(f"{x:.3g}")
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -13,7 +13,7 @@ import torch
 
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.bench_latency import model_folder, random_prompts
-from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, sync
+from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, ratio, sync
 
 
 def roofline_seconds(roof: Roofline, n: int, n_in: int, n_out: int, max_running: int, by_op: bool = False) -> float:
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "attention_backend": runner.attention_backend_name, "seconds": round(seconds, 3),
         "output_tokens_per_s": round(n * n_out / seconds, 1),
         "total_tokens_per_s": round(n * (n_in + n_out) / seconds, 1),
-        "roofline_seconds": round(limit, 3), "roofline_ratio": round(limit / seconds, 3),
-        "op_roofline_ratio": round(roofline_seconds(roof, n, n_in, n_out, running, by_op=True) / seconds, 3),
+        "roofline_seconds": round(limit, 3), "roofline_ratio": ratio(limit / seconds),
+        "op_roofline_ratio": ratio(roofline_seconds(roof, n, n_in, n_out, running, by_op=True) / seconds),
         "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
         "steps_by_mode": llm.stats()["mode_distribution"],
