@@ -1,9 +1,16 @@
-"""What tracing costs: the decode step with 100% sampling (request, step and forward spans, exported
-over OTLP/gRPC to a receiver on loopback) against tracing off, same engine, interleaved runs."""
+"""What tracing costs: the decode step with 100% sampling (request and step spans, exported over
+OTLP/gRPC to a receiver on loopback) against tracing off, on one engine, in interleaved runs.
+
+Each traced run ends when every span it made has been exported (a flush inside its timing), so the
+export is counted in full, as if it never overlapped the engine. A second untraced run per round
+gives the noise floor (off vs off); ratios are also taken per round (paired), which cancels slow
+drift in the machine's load. Every span made is counted and must reach the receiver.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from concurrent import futures
@@ -13,7 +20,7 @@ from typing import Any
 import grpc
 import torch
 
-from modeserve.service.bench_serving import measure_decode_us
+from modeserve.service.bench_serving import measure_decode
 from modeserve.service.engine_loop import EngineLoop
 from modeserve.service.tracing import Tracing
 
@@ -41,33 +48,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from modeserve.engine.models.random_checkpoint import write_random_checkpoint
     from modeserve.service.transport import InProcessTransport
 
+    if args.cpus:  # every thread of the process, and those made later, on these CPUs
+        cpus = {int(c) for c in args.cpus.split(",")}
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
     tmp = tempfile.TemporaryDirectory()
     model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
     torch.set_num_threads(args.threads)
     server, port, received = _receiver()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_TRACES_SAMPLER": "always_on"}
     on = Tracing("bench", 0, env=env)
-    loops: dict[bool, EngineLoop] = {}
-    for traced in (False, True):
-        llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
-        tracing = on if traced else None
-        loops[traced] = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), tracing=tracing,
-                                   name=f"traced={traced}")
-        loops[traced].start()
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for rep in range(args.repeats + 1):  # round 0 warms up
-        for traced, loop in loops.items():
-            us = measure_decode_us(loop, args.batch_size, args.prompt_len, args.steps if rep else 8,
-                                   on if traced else None)
+    configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
+    llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
+    loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")
+    loop.start()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
+    spans_created = 0
+    for rep in range(args.repeats + 1):  # round 0 warms up; each round starts one configuration later
+        names = list(configs)[rep % 3:] + list(configs)[:rep % 3]
+        for name in names:
+            loop.tracing = configs[name]  # one engine for all: between runs no step is in flight
+            steps_before = sum(loop.scheduler.stats.mode_counts.values())
+            us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
+            if configs[name] is not None:  # a span per request, and one per step
+                spans_created += 2 * args.batch_size + sum(loop.scheduler.stats.mode_counts.values()) - steps_before
             if rep:
-                samples[traced].append(us)
-    for loop in loops.values():
-        loop.stop()
-    on.shutdown()  # flushes: the receiver has every span
+                samples[name].append(us)
+    loop.stop()
+    on.shutdown()
     server.stop(0)
     tmp.cleanup()
-    off_us, on_us = statistics.median(samples[False]), statistics.median(samples[True])
+
+    def median(name: str, i: int) -> float:
+        return statistics.median(s[i] for s in samples[name])
+
+    def paired(a: str, b: str, i: int) -> float:  # each round's a vs b: slow drift in load cancels
+        return round(statistics.median(x[i] / y[i] - 1 for x, y in zip(samples[a], samples[b])), 4)
+
+    off, on_us = median("tracing_off", 0), median("tracing_on", 0)
     return {"bench": "tracing", "model": args.model or f"random:{args.shape}", "device": args.device,
-            "batch_size": args.batch_size, "decode_steps": args.steps, "repeats": args.repeats,
-            "us_per_decode_step": {"tracing_off": round(off_us, 1), "tracing_on": round(on_us, 1)},
-            "overhead_ratio": round(on_us / off_us - 1, 4), "spans_received": received[0]}
+            "batch_size": args.batch_size, "decode_steps": args.steps, "repeats": args.repeats, "cpus": args.cpus,
+            "us_per_decode_step": {"tracing_off": round(off, 1), "tracing_on": round(on_us, 1)},
+            "overhead_ratio": round(on_us / off - 1, 4),
+            "noise_floor_ratio": round(median("tracing_off_again", 0) / off - 1, 4),  # both untraced
+            "paired_overhead_ratio": paired("tracing_on", "tracing_off", 0),
+            "paired_noise_floor_ratio": paired("tracing_off_again", "tracing_off", 0),
+            "cpu_us_per_decode_step": {n: round(median(n, 1), 1) for n in configs},  # all threads
+            "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
+                           for n, v in samples.items()},
+            "spans_created": spans_created, "spans_received": received[0]}

@@ -16,10 +16,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from opentelemetry import trace
-from opentelemetry.trace import Link, Span, SpanKind
+from opentelemetry.trace import Span, SpanContext, SpanKind
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.request import Req
@@ -29,6 +28,9 @@ from modeserve.service.lockstep import LockstepGroup, StepOffer
 from modeserve.service.metrics import RankSample
 from modeserve.service.tracing import Tracing, inject
 from modeserve.service.transport import EngineTransport
+
+if TYPE_CHECKING:
+    from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,14 @@ class RequestHandle:
     updates: queue.Queue[TokenUpdate] = field(default_factory=queue.Queue)
     span: Span | None = None  # the router's request span, when tracing is on
     step_links: int = 0  # step spans linked to it so far
+    unlinked_steps: list[SpanContext] = field(default_factory=list)  # of those, not yet added to the span
+
+    def link_steps(self) -> None:
+        """Add the links to the steps so far, all at once (cheaper than one per step)."""
+        if self.unlinked_steps and self.span is not None and self.span.is_recording():
+            for ctx in self.unlinked_steps:
+                self.span.add_link(ctx)
+        self.unlinked_steps.clear()
 
 
 class EngineLoop:
@@ -81,6 +91,8 @@ class EngineLoop:
         self._sched_lock = threading.Lock()  # the loop thread holds it while it touches the scheduler
         self._handles: dict[str, RequestHandle] = {}
         self._last_result = 0.0
+        self._head: RequestHandle | None = None  # the request whose trace the last step span is in
+        self._unlinked_reqs: tuple[Req, ...] = ()  # the last step's requests, when it had none to link
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
@@ -188,9 +200,11 @@ class EngineLoop:
                 return
             if finish_reason is not None:
                 del self._handles[req.rid]
+        if finish_reason is not None:
+            handle.link_steps()  # before the router ends the span
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
-    def _process(self, step: ScheduledStep, started: float, span: Span | None, result: ForwardResult) -> None:
+    def _process(self, step: ScheduledStep, started: float, span: StepSpan | None, result: ForwardResult) -> None:
         """Deliver a step's tokens; its time counts from when it could start: its submission, or
         the previous result if that came later (steps in flight run one after the other)."""
         if span is not None:
@@ -213,7 +227,7 @@ class EngineLoop:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _run_free(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float, Span | None]] = collections.deque()
+        in_flight: collections.deque[tuple[ScheduledStep, float, StepSpan | None]] = collections.deque()
         while not self._stopped:
             with self._sched_lock:
                 self._drain_inbox()
@@ -260,29 +274,47 @@ class EngineLoop:
             with self._sched_lock:
                 self._process(step, started, span, result)
 
-    MAX_STEP_LINKS = 16  # links kept per span: a request's first steps, a step's first other requests
+    # A request and each of its first MAX_STEP_LINKS steps link to each other (the request's links are
+    # added when it has that many, or when it ends); later steps add no links: a long decode's spans
+    # stay small (links were most of what a step span cost to export).
+    MAX_STEP_LINKS = 16
 
-    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, Span | None]:
-        """With tracing on: a ``modeserve.step`` span in the trace of the step's first traced request
-        (linked to the others', which link back to it), its context sent along in the batch; with the
-        engine in this process that span is the step's ``modeserve.forward`` span itself."""
+    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, StepSpan | None]:
+        """With tracing on: a ``modeserve.step`` span in the trace of a sampled request of the step
+        (the previous step's, while it runs), its context sent along in the batch; with the engine in
+        this process that span is the step's ``modeserve.forward`` span itself. No span when no
+        request of the step is sampled (a remote engine then gets a request's unsampled context)."""
         if self.tracing is None or not self.tracing.enabled or not step.reqs:
             return batch, None
-        with self._lock:
-            handles = [h for h in (self._handles.get(r.rid) for r in step.reqs) if h is not None and h.span is not None]
-        if not handles:
-            return batch, None
-        parent = trace.set_span_in_context(handles[0].span)  # type: ignore[arg-type]
-        links = [Link(h.span.get_span_context()) for h in handles[1:1 + self.MAX_STEP_LINKS]]  # type: ignore[union-attr]
-        span = self.tracing.start_span("modeserve.step", parent, SpanKind.CLIENT, links, attributes={
-            "modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-            "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank, "modeserve.step": batch.step})
-        for h in handles:
-            if h.step_links < self.MAX_STEP_LINKS:
-                h.span.add_link(span.get_span_context())  # type: ignore[union-attr]
-                h.step_links += 1
-        if self.transport.attach_step_span(batch.step, span):  # the engine is here: one span per step
-            span.update_name("modeserve.forward")
+        head, linked = self._head, []
+        if step.reqs != self._unlinked_reqs:  # else: the same requests as the last step, none to link
+            with self._lock:
+                handles = [h for h in map(self._handles.get, [r.rid for r in step.reqs])
+                           if h is not None and h.span is not None]
+            if not any(h is head for h in handles) or not head.span.is_recording():  # type: ignore[union-attr]
+                head = self._head = next((h for h in handles if h.span.is_recording()), None)  # type: ignore[union-attr]
+            if head is None:  # no sampled request: no span (a remote engine gets a request's context)
+                if not handles or self.transport.in_process:
+                    return batch, None
+                return dataclasses.replace(batch, trace_context=inject(handles[0].span)), None  # type: ignore[arg-type]
+            linked = [h for h in handles if h.step_links < self.MAX_STEP_LINKS and h.span.is_recording()][  # type: ignore[union-attr]
+                :self.MAX_STEP_LINKS + 1]
+            self._unlinked_reqs = () if linked else step.reqs
+        span = self.tracing.start_step_span(
+            "modeserve.forward" if self.transport.in_process else "modeserve.step", head.span,  # type: ignore[union-attr]
+            SpanKind.CLIENT, [h.span.get_span_context() for h in linked if h is not head],  # type: ignore[union-attr]
+            {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
+        if span is None:  # the sampler dropped it
+            return (batch, None) if self.transport.in_process else (
+                dataclasses.replace(batch, trace_context=inject(head.span)), None)  # type: ignore[union-attr, arg-type]
+        for h in linked:
+            h.unlinked_steps.append(span.context)
+            h.step_links += 1
+            if h.step_links == self.MAX_STEP_LINKS:
+                h.link_steps()
+        if self.transport.in_process:  # one span per step: the engine fills in its part
+            self.transport.attach_step_span(batch.step, span)
             return batch, span
         return dataclasses.replace(batch, trace_context=inject(span)), span
 
@@ -307,6 +339,7 @@ class EngineLoop:
             self.on_failure(self, handles)
             return
         for h in handles:
+            h.link_steps()
             h.updates.put(TokenUpdate((), "abort"))
 
 

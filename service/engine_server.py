@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Sequence
+from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -29,6 +29,9 @@ from modeserve.service.convert import BatchLimits, batch_from_proto, mode_stats_
 from modeserve.service.grpc_common import GrpcServer, create_grpc_server
 from modeserve.service.metrics import MetricsServer, RankSample
 from modeserve.service.tracing import Tracing, start_forward_span
+
+if TYPE_CHECKING:
+    from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class _Launched:
     batch: ForwardBatch
     start: float
     pending: PendingResult[ForwardResult]
-    span: Span | None
+    span: Span | StepSpan | None
 
 
 def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],
@@ -199,7 +202,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if self.tracing.enabled:  # the graph bucket is this step's while the lock is held
                 span = start_forward_span(self.tracing, batch.trace_context, batch.forward_mode.name,
                                           batch.batch_size, batch.num_tokens, self._runner.last_graph_bucket,
-                                          self._description.dp_rank, batch.step)
+                                          self._description.dp_rank)
         return _Launched(batch, start, pending, span)
 
     def _finish(self, launched: _Launched) -> forward_pb2.ForwardResult:

@@ -2,31 +2,41 @@
 
 Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set and
 ``OTEL_SDK_DISABLED`` is not true; off means no provider, no spans, no context work (``enabled`` is
-False and callers skip everything). On: spans go over OTLP/gRPC in batches; the sampler comes from
-``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG``, the resource from ``OTEL_SERVICE_NAME`` and
-``OTEL_RESOURCE_ATTRIBUTES`` plus the DP rank and, in Kubernetes, the pod name (``POD_NAME``). The
-variables are read from the mapping given (the process environment by default), nothing else.
+False and callers skip everything). On: spans go over OTLP/gRPC in batches (``OTEL_BSP_*``, encoded by
+``otlp_encoding``); the sampler comes from ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG``, the
+resource from ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` plus the DP rank and, in
+Kubernetes, the pod name (``POD_NAME``). The variables are read from the mapping given (the process
+environment by default), nothing else.
 
 Each process owns its provider (nothing is installed globally). Trace context travels as W3C
 ``traceparent``/``tracestate``: in gRPC metadata from clients to the router, and in
-``ForwardBatch.trace_context`` from the router's step to the engine's forward.
+``ForwardBatch.trace_context`` from the router's step to the engine's forward. Request spans are the
+SDK's; the spans made every step are ``StepSpan``s (``step_span``), a fraction of an SDK span's cost.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, Span, SpanKind, Tracer
+from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.sdk.trace.sampling import Sampler
 
+    from modeserve.service.step_span import StepSpan
+
 _PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_RANDOM_TRACE_ID = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))  # W3C level 2 flag, inherited by children
+_SAMPLED_FLAGS = {0: TraceFlags(TraceFlags.SAMPLED), _RANDOM_TRACE_ID: TraceFlags(TraceFlags.SAMPLED | _RANDOM_TRACE_ID)}
 
 
 def sampler_from_env(env: Mapping[str, str]) -> Sampler:
@@ -47,6 +57,17 @@ def sampler_from_env(env: Mapping[str, str]) -> Sampler:
     return table[name]
 
 
+def batch_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """``OTEL_BSP_*``: by default the exporter thread wakes every 2048 spans (or 5 s), so that it
+    holds the GIL rarely (the wake-up and the export call cost the same for any batch size); the
+    queue holds four batches, so a slow collector does not make the engine drop spans at once."""
+    batch = int(env.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2048"))
+    return {"schedule_delay_millis": int(env.get("OTEL_BSP_SCHEDULE_DELAY", "5000")),
+            "max_export_batch_size": batch,
+            "max_queue_size": int(env.get("OTEL_BSP_MAX_QUEUE_SIZE", str(4 * batch))),
+            "export_timeout_millis": int(env.get("OTEL_BSP_EXPORT_TIMEOUT", "30000"))}
+
+
 def tracing_requested(env: Mapping[str, str]) -> bool:
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
         return False
@@ -65,10 +86,12 @@ class Tracing:
         self.tracer: Tracer = trace.NoOpTracer()
         if not self.enabled:
             return
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        from modeserve.service.step_span import StepSpan
 
         attributes: dict[str, str | int] = {"service.name": env.get("OTEL_SERVICE_NAME", f"modeserve-{component}"),
                                             "modeserve.component": component}
@@ -81,18 +104,51 @@ class Tracing:
             if key.strip() and value:
                 attributes.setdefault(key.strip(), value.strip())
         provider = TracerProvider(resource=Resource(attributes), sampler=sampler_from_env(env))
+        processor: SpanProcessor
         if exporter is not None:
-            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            processor = SimpleSpanProcessor(exporter)
         else:
+            from modeserve.service.otlp_encoding import FastOTLPSpanExporter
+
             endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             insecure = endpoint.startswith("http://") or env.get("OTEL_EXPORTER_OTLP_INSECURE", "").lower() == "true"
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=insecure)))
+            processor = BatchSpanProcessor(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure),
+                                           **batch_settings_from_env(env))
+        provider.add_span_processor(processor)
         self._provider = provider
         self.tracer = provider.get_tracer("modeserve")
+        # what step spans take from the provider
+        self._sampler, self._ids = provider.sampler, provider.id_generator
+        self._new_step_span = functools.partial(StepSpan, processor, provider.resource, InstrumentationScope("modeserve"))
+        self._last_sampling: tuple[SpanContext | None, Any] = (None, None)  # (parent, the sampler's result)
 
     def start_span(self, name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    links: Sequence[Link] = (), attributes: Mapping[str, Any] | None = None) -> Span:
         return self.tracer.start_span(name, context=parent, kind=kind, links=list(links), attributes=attributes)
+
+    def start_step_span(self, name: str, parent: Span, kind: SpanKind, links: Sequence[SpanContext],
+                        attributes: dict[str, Any]) -> StepSpan | None:
+        """The span of one step, a child of ``parent`` (whose context is valid), linked to ``links``;
+        None unless the provider's sampler samples it. The samplers ``OTEL_TRACES_SAMPLER`` names
+        decide by the parent and the trace id alone (and add no attributes), so consecutive steps in
+        one request's trace ask once."""
+        parent_ctx = parent.get_span_context()
+        last_parent, result = self._last_sampling  # one tuple: loops of several ranks may share this
+        if last_parent != parent_ctx:
+            result = self._sampler.should_sample(trace.set_span_in_context(parent), parent_ctx.trace_id, name, kind,
+                                                 attributes, [Link(ctx) for ctx in links])
+            self._last_sampling = (parent_ctx, result)
+        if not result.decision.is_sampled():
+            return None
+        context = SpanContext(parent_ctx.trace_id, self._ids.generate_span_id(), False,
+                              _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID], result.trace_state)
+        return self._new_step_span(name, context, parent_ctx, kind, [Link(ctx) for ctx in links] if links else (),
+                                   attributes)
+
+    def flush(self) -> None:
+        """Export every span ended so far, in the calling thread (benchmarks time it)."""
+        if self._provider is not None:
+            self._provider.force_flush()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         """Flush what is buffered (called when the process stops serving)."""
@@ -106,19 +162,37 @@ def extract(carrier: Mapping[str, str]) -> Context:
     return _PROPAGATOR.extract(dict(carrier))
 
 
-def inject(span: Span) -> dict[str, str]:
+def inject(span: Span | StepSpan) -> dict[str, str]:
     """W3C ``traceparent`` (version 00) that makes ``span`` the parent on the other side; written
     directly: this runs once per step."""
     ctx = span.get_span_context()
     return {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"}
 
 
+def remote_parent(trace_context: Mapping[str, str]) -> Span | None:
+    """The span ``trace_context`` names as the parent, None without a valid one; ``inject``'s form
+    is read directly (once per step at the engine), any other through the W3C propagator."""
+    match = _TRACEPARENT.fullmatch(trace_context.get("traceparent", ""))
+    if match is not None and "tracestate" not in trace_context:
+        trace_id, span_id, flags = (int(group, 16) for group in match.groups())
+        ctx = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+    else:
+        ctx = trace.get_current_span(extract(trace_context)).get_span_context()
+    return NonRecordingSpan(ctx) if ctx.is_valid else None
+
+
 def start_forward_span(tracing: Tracing, trace_context: Mapping[str, str], mode: str, batch_size: int,
-                       num_tokens: int, graph_bucket: int | None, dp_rank: int, step: int) -> Span:
-    """The engine's ``modeserve.forward`` span of one step, a child of the router's step span."""
-    return tracing.start_span("modeserve.forward", extract(trace_context), SpanKind.SERVER, attributes={
-        "modeserve.forward_mode": mode, "modeserve.batch_size": batch_size, "modeserve.num_tokens": num_tokens,
-        "modeserve.dp_rank": dp_rank, "modeserve.step": step, **forward_attributes(graph_bucket, batch_size)})
+                       num_tokens: int, graph_bucket: int | None, dp_rank: int) -> Span | StepSpan | None:
+    """The engine's ``modeserve.forward`` span of one step, a child of the router's step span (a
+    root span, made by the SDK, when the batch carries no trace context); None when not sampled.
+    Step spans carry no step number: an attribute unique to each span would keep the exporter from
+    encoding the steps of a decode as one shape (``otlp_encoding``)."""
+    attributes = {"modeserve.forward_mode": mode, "modeserve.batch_size": batch_size, "modeserve.num_tokens": num_tokens,
+                  "modeserve.dp_rank": dp_rank, **forward_attributes(graph_bucket, batch_size)}
+    parent = remote_parent(trace_context)
+    if parent is None:
+        return tracing.start_span("modeserve.forward", None, SpanKind.SERVER, attributes=attributes)
+    return tracing.start_step_span("modeserve.forward", parent, SpanKind.SERVER, (), attributes)
 
 
 def forward_attributes(graph_bucket: int | None, batch_size: int) -> dict[str, Any]:

@@ -11,13 +11,15 @@ import collections
 import functools
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
-from opentelemetry.trace import Span
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.service.tracing import forward_attributes
+
+if TYPE_CHECKING:
+    from modeserve.service.step_span import StepSpan
 
 
 class TransportError(RuntimeError):
@@ -25,6 +27,8 @@ class TransportError(RuntimeError):
 
 
 class EngineTransport(abc.ABC):
+    in_process = False  # the engine runs in this process and shares the scheduler's step spans
+
     @abc.abstractmethod
     def submit(self, batch: ForwardBatch) -> None:
         """Queue ``batch``; returns at once (the engine may still be running earlier ones)."""
@@ -36,11 +40,11 @@ class EngineTransport(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    def attach_step_span(self, step: int, span: Span) -> bool:
-        """Hand the scheduler's span of ``step`` to an engine in this process, which fills in what only
-        it knows (CUDA graph, padding): then that one span is the step's ``modeserve.forward`` span.
-        False where the engine is elsewhere (it makes its own span from the batch's trace context)."""
-        return False
+    def attach_step_span(self, step: int, span: StepSpan) -> None:
+        """Only ``in_process``: hand the scheduler's span of ``step`` to the engine, which fills in
+        what only it knows (CUDA graph, padding); that one span is the step's ``modeserve.forward``
+        span. A remote engine makes its own from the batch's trace context instead."""
+        raise NotImplementedError
 
 
 _CLOSE = object()
@@ -53,9 +57,11 @@ def _reraise(exc: BaseException) -> ForwardResult:
 class InProcessTransport(EngineTransport):
     """Runs batches on a local ``ModelRunner`` in a worker thread (so scheduling overlaps compute)."""
 
+    in_process = True
+
     def __init__(self, runner: object) -> None:
         self._runner = runner
-        self._spans: dict[int, Span] = {}  # step -> the scheduler's span of it (tracing on)
+        self._spans: dict[int, StepSpan] = {}  # step -> the scheduler's span of it (tracing on)
         self._spans_lock = threading.Lock()
         self._inbox: queue.Queue[object] = queue.Queue()
         self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
@@ -98,10 +104,9 @@ class InProcessTransport(EngineTransport):
             span.set_attributes(forward_attributes(bucket, batch.batch_size))
         return pending.result  # type: ignore[no-any-return]
 
-    def attach_step_span(self, step: int, span: Span) -> bool:
+    def attach_step_span(self, step: int, span: StepSpan) -> None:
         with self._spans_lock:
             self._spans[step] = span
-        return True
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)

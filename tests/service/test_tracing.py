@@ -222,3 +222,111 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     modes = [attrs(s)["modeserve.forward_mode"] for s in forwards]
     assert modes.count("EXTEND") == info["EXTEND"] and modes.count("DECODE") == info["DECODE"]
     assert all(s.parent_span_id == request.span_id for s in forwards)
+
+
+def _traced_loop(tiny_model: Path, tracing: Tracing) -> Any:
+    from modeserve.engine.llm import LLM
+    from modeserve.service.engine_loop import EngineLoop
+    from modeserve.service.transport import InProcessTransport
+
+    llm = LLM(model=str(tiny_model), page_size=4, max_running_requests=4)
+    return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), tracing=tracing, name="traced")
+
+
+def _generate(loop: Any, tracing: Tracing, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+    """Requests submitted before the loop starts (so every step serves all of them), each with a
+    request span (as the router makes); their spans."""
+    from modeserve.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    handles = [loop.submit(loop.make_request(f"r{i}", p, sp), tracing.start_span(f"text_completion r{i}"))
+               for i, p in enumerate(prompts)]
+    loop.start()
+    for h in handles:
+        while h.updates.get(timeout=60).finish_reason is None:
+            pass
+        h.span.end()
+    return [h.span for h in handles]
+
+
+def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> None:
+    """A request links to its first MAX_STEP_LINKS steps and those link back to the requests they
+    serve other than their parent; later steps carry no links. Every step stays in the trace of the
+    request it started in while that one runs."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.engine_loop import EngineLoop
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("router", 0, env={}, exporter=exporter)
+    loop = _traced_loop(tiny_model, tracing)
+    try:
+        _generate(loop, tracing, [[3, 4, 5, 6, 7], [8, 9, 10]], max_new_tokens=40)
+    finally:
+        loop.stop()
+    spans = exporter.get_finished_spans()
+    requests = {s.context.span_id: s for s in spans if s.name.startswith("text_completion")}
+    steps = sorted((s for s in spans if s.name == "modeserve.forward"), key=lambda s: s.start_time)
+    assert len(requests) == 2 and len(steps) >= 40
+    limit = EngineLoop.MAX_STEP_LINKS
+    first = [s.context.span_id for s in steps[:limit]]
+    assert all(s.attributes["modeserve.batch_size"] == 2 for s in steps)
+    assert all([link.context.span_id for link in req.links] == first for req in requests.values())
+    (parent,) = {s.parent.span_id for s in steps}
+    (other,) = set(requests) - {parent}
+    assert all([link.context.span_id for link in s.links] == [other] for s in steps[:limit])
+    assert all(not s.links for s in steps[limit:])
+    a = steps[-1].attributes
+    assert a["modeserve.forward_mode"] == "DECODE" and a["modeserve.batch_size"] == 2 and a["modeserve.num_tokens"] == 2
+    assert a["modeserve.cuda_graph"] is False and a["modeserve.padded_batch_size"] == 2 and a["modeserve.dp_rank"] == 0
+
+
+def test_unsampled_requests_make_no_step_spans(tiny_model: Path) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("router", 0, env={"OTEL_TRACES_SAMPLER": "always_off"}, exporter=exporter)
+    loop = _traced_loop(tiny_model, tracing)
+    try:
+        spans = _generate(loop, tracing, [[3, 4, 5]], max_new_tokens=4)
+    finally:
+        loop.stop()
+    assert not spans[0].is_recording() and not exporter.get_finished_spans()
+
+
+def test_engine_reads_the_routers_trace_context() -> None:
+    """The engine's forward span is a child of the injected context, sampled as its flags say; other
+    forms of ``traceparent`` go through the W3C propagator, and no context makes a root span."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.tracing import inject, remote_parent, start_forward_span
+
+    exporter = InMemorySpanExporter()
+    engine = Tracing("engine", 1, env={}, exporter=exporter)
+    router = Tracing("router", env={}, exporter=InMemorySpanExporter())
+    step = router.start_span("modeserve.step")
+    ctx = step.get_span_context()
+    parent = remote_parent(inject(step))
+    assert parent is not None and parent.get_span_context() == trace.SpanContext(
+        ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
+    upper = {"traceparent": inject(step)["traceparent"].upper().replace("X", "x")}
+    assert remote_parent(upper) is None  # version 00 is lower case: invalid, as the propagator says
+    with_state = {**inject(step), "tracestate": "vendor=x"}
+    assert remote_parent(with_state).get_span_context().trace_state == trace.TraceState([("vendor", "x")])  # type: ignore[union-attr]
+    assert remote_parent({}) is None and remote_parent({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}) is None
+    span = start_forward_span(engine, inject(step), "DECODE", 4, 4, 8, 1)
+    assert span is not None
+    span.end()
+    unsampled = {"traceparent": inject(step)["traceparent"][:-2] + "00"}
+    assert start_forward_span(engine, unsampled, "DECODE", 4, 4, None, 1) is None
+    root = start_forward_span(engine, {}, "IDLE", 0, 0, None, 1)
+    assert root is not None
+    root.end()
+    (forward, alone) = exporter.get_finished_spans()
+    assert forward.parent == parent.get_span_context() and forward.context.trace_id == ctx.trace_id
+    assert forward.kind == trace.SpanKind.SERVER and forward.context.trace_flags.sampled
+    assert dict(forward.attributes) == {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": 4,
+                                        "modeserve.num_tokens": 4, "modeserve.dp_rank": 1,
+                                        "modeserve.cuda_graph": True, "modeserve.padded_batch_size": 8}
+    assert alone.parent is None and alone.attributes["modeserve.forward_mode"] == "IDLE"
+    assert forward.resource.attributes["modeserve.dp_rank"] == 1

@@ -1,0 +1,69 @@
+"""``encode_spans`` writes exactly what the SDK's OTLP encoder writes, for every kind of span content:
+resources and scopes (two providers, two tracers), remote and local parents, trace state, every
+attribute type, events, links with attributes, statuses, dropped counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from modeserve.service.otlp_encoding import FastOTLPSpanExporter, encode_spans
+
+
+def _spans() -> list[ReadableSpan]:
+    exporter = InMemorySpanExporter()
+    providers = [TracerProvider(resource=Resource({"service.name": "a", "modeserve.dp_rank": 3}, "https://schema/1")),
+                 TracerProvider(resource=Resource({"service.name": "b"}), span_limits=SpanLimits(max_attributes=2))]
+    for p in providers:
+        p.add_span_processor(SimpleSpanProcessor(exporter))
+    plain = providers[0].get_tracer("plain")
+    scoped = providers[0].get_tracer("scoped", "1.2", "https://schema/2", {"scope.attr": True})
+    remote = SpanContext(0x1234, 0x5678, is_remote=True, trace_flags=TraceFlags(1),
+                         trace_state=TraceState([("vendor", "x"), ("other", "y")]))
+    attributes: dict[str, Any] = {"s": "text", "b": False, "i": 7, "f": 0.25, "strs": ("length", "stop"), "ints": [1, 2],
+                  "floats": (0.5,), "bools": (True, False), "empty": (), "big": 2**62}
+    with plain.start_as_current_span("root", kind=SpanKind.SERVER, attributes=attributes) as root:
+        root.add_event("first token", {"n": 1})
+        root.add_event("plain")
+        root.set_status(Status(StatusCode.ERROR, "client went away"))
+        child = scoped.start_span("child", kind=SpanKind.CLIENT, links=[Link(remote, {"why": "batch"}),
+                                                                        Link(root.get_span_context())])
+        child.add_link(remote)
+        child.set_status(Status(StatusCode.OK))
+        child.end()
+    scoped.start_span("remote child", trace.set_span_in_context(NonRecordingSpan(remote)),
+                      SpanKind.PRODUCER).end()
+    plain.start_span("consumer", kind=SpanKind.CONSUMER).end()
+    providers[1].get_tracer("limited").start_span("dropped", attributes={"a": 1, "b": 2, "c": 3}).end()
+    for value in (1, 1.0, True, 1, True):  # equal values of three types: same shape but for the type
+        plain.start_span("step", attributes={"x": value, "mode": "DECODE"}).end()
+    return list(exporter.get_finished_spans())
+
+
+def test_same_request_as_the_sdk_encoder() -> None:
+    spans = _spans()
+    assert len(spans) == 10
+    shapes: dict = {}
+    sdk = sdk_encode_spans(spans)
+    for _ in range(2):  # the second time from the shapes kept the first time
+        ours = encode_spans(spans, shapes)
+        assert ours == sdk
+        assert ours.SerializeToString(deterministic=True) == sdk.SerializeToString(deterministic=True)
+    assert len(ours.resource_spans) == 2 and len(ours.resource_spans[0].scope_spans) == 2
+    assert len(shapes) == 7  # all but root (sequence values): 4, and "step" with an int, a float, a bool
+
+
+def test_exporter_sends_our_encoding() -> None:
+    spans = _spans()
+    exporter = FastOTLPSpanExporter(endpoint="http://127.0.0.1:1", insecure=True)
+    try:
+        assert exporter._translate_data(spans) == sdk_encode_spans(spans)
+    finally:
+        exporter.shutdown()
