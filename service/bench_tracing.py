@@ -1,5 +1,6 @@
 """What tracing costs: the decode step with 100% sampling (request and step spans, exported over
-OTLP/gRPC to a receiver on loopback) against tracing off, on one engine, in interleaved runs.
+OTLP/gRPC to a receiver on loopback, in its own process as a collector would be) against tracing
+off, on one engine, in interleaved runs.
 
 Each traced run ends when every span it made has been exported (a flush inside its timing), so the
 export is counted in full, as if it never overlapped the engine. A second untraced run per round
@@ -10,37 +11,58 @@ drift in the machine's load. Every span made is counted and must reach the recei
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from modeserve.service.bench_serving import measure_decode
 from modeserve.service.engine_loop import EngineLoop
 from modeserve.service.tracing import Tracing
 
-
-def _receiver() -> tuple[grpc.Server, int, list[int]]:
-    """A loopback OTLP trace receiver that counts the spans it is sent."""
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
-    received = [0]
-
-    class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request: Any, context: Any) -> Any:
+_RECEIVER = """
+import sys, threading
+from concurrent import futures
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+received, lock = [0], threading.Lock()
+class Sink(trace_service_pb2_grpc.TraceServiceServicer):
+    def Export(self, request, context):
+        with lock:
             received[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-            return trace_service_pb2.ExportTraceServiceResponse()
+        return trace_service_pb2.ExportTraceServiceResponse()
+server = grpc.server(futures.ThreadPoolExecutor(2))
+trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+sys.stdin.read()
+server.stop(0)
+print(received[0], flush=True)
+"""
 
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port, received
+
+class _Receiver:
+    """A loopback OTLP trace receiver in a process of its own that counts the spans it is sent."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+
+    def close(self) -> int:
+        """Stop it; the number of spans received."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.close()
+        received = int(self._proc.stdout.readline())
+        self._proc.wait(timeout=10)
+        return received
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,6 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from modeserve.engine.models.random_checkpoint import write_random_checkpoint
     from modeserve.service.transport import InProcessTransport
 
+    receiver = _Receiver()  # before the pinning below: not on the benchmark's CPUs
     if args.cpus:  # every thread of the process, and those made later, on these CPUs
         cpus = {int(c) for c in args.cpus.split(",")}
         for tid in os.listdir("/proc/self/task"):
@@ -55,8 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory()
     model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
     torch.set_num_threads(args.threads)
-    server, port, received = _receiver()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_TRACES_SAMPLER": "always_on"}
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_TRACES_SAMPLER": "always_on"}
     on = Tracing("bench", 0, env=env)
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
     llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
@@ -64,9 +86,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loop.start()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
     spans_created = 0
-    for rep in range(args.repeats + 1):  # round 0 warms up; each round starts one configuration later
-        names = list(configs)[rep % 3:] + list(configs)[:rep % 3]
-        for name in names:
+    # Round 0 warms up. The rounds go through the six orders of the three runs in a cycle where, every
+    # six rounds, each run comes first, second and third twice and right after each other run three
+    # times (never after itself): what a run leaves behind (a collection to do, caches) weighs alike.
+    orders = list(itertools.permutations(configs))
+    for rep in range(args.repeats + 1):
+        for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
             loop.tracing = configs[name]  # one engine for all: between runs no step is in flight
             steps_before = sum(loop.scheduler.stats.mode_counts.values())
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
@@ -76,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 samples[name].append(us)
     loop.stop()
     on.shutdown()
-    server.stop(0)
+    received = receiver.close()
     tmp.cleanup()
 
     def median(name: str, i: int) -> float:
@@ -96,4 +121,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_us_per_decode_step": {n: round(median(n, 1), 1) for n in configs},  # all threads
             "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
                            for n, v in samples.items()},
-            "spans_created": spans_created, "spans_received": received[0]}
+            "spans_created": spans_created, "spans_received": received}

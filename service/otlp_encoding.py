@@ -29,8 +29,7 @@ _LOCAL = SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
 _REMOTE = _LOCAL | SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
 _SCALAR_FIELD = {str: "string_value", bool: "bool_value", int: "int_value", float: "double_value",
                  bytes: "bytes_value"}
-
-
+_SCALARS = frozenset(_SCALAR_FIELD)
 MAX_SHAPES = 256  # span shapes kept serialized (all are dropped when full: request spans rarely repeat)
 
 
@@ -53,14 +52,14 @@ def encode_spans(spans: Sequence[ReadableSpan], shapes: dict[tuple[Any, ...], by
     shapes = {} if shapes is None else shapes
     request = ExportTraceServiceRequest()
     groups: dict[tuple[int, int], Any] = {}  # (resource, scope) -> repeated spans of their ScopeSpans
-    scopes: dict[int, Any] = {}  # resource -> its ResourceSpans
+    resources: dict[int, Any] = {}  # resource -> its ResourceSpans
     for span in spans:
         resource, scope = span.resource, span.instrumentation_scope
         out = groups.get((id(resource), id(scope)))
         if out is None:
-            resource_spans = scopes.get(id(resource))
+            resource_spans = resources.get(id(resource))
             if resource_spans is None:
-                resource_spans = scopes[id(resource)] = request.resource_spans.add(schema_url=resource.schema_url)
+                resource_spans = resources[id(resource)] = request.resource_spans.add(schema_url=resource.schema_url)
                 _add_attributes(resource_spans.resource.attributes, resource.attributes)
             out = groups[id(resource), id(scope)] = _add_scope(resource_spans.scope_spans, scope).spans
         _add_span(out, span, shapes)
@@ -101,12 +100,12 @@ def _add_span(out: Any, span: ReadableSpan, shapes: dict[tuple[Any, ...], bytes]
 
 def _shape(span: ReadableSpan, flags: int, shapes: dict[tuple[Any, ...], bytes]) -> bytes:
     """The serialized name, kind, flags, attributes and status of ``span``, kept by value (and type:
-    1, 1.0 and True are equal keys); spans with sequence values are not kept."""
+    1, 1.0 and True are equal keys) when its attribute values are all scalars."""
     status, attributes = span.status, span.attributes or {}
     types = tuple(map(type, attributes.values()))
     key: tuple[Any, ...] | None = None
     shape = None
-    if tuple not in types and list not in types:
+    if _SCALARS.issuperset(types):
         key = (span.name, span.kind, flags, tuple(attributes.items()), types, span.dropped_attributes,
                status.status_code, status.description)
         shape = shapes.get(key)

@@ -40,7 +40,7 @@ def _spans() -> list[ReadableSpan]:
         child.end()
     scoped.start_span("remote child", trace.set_span_in_context(NonRecordingSpan(remote)),
                       SpanKind.PRODUCER).end()
-    plain.start_span("consumer", kind=SpanKind.CONSUMER).end()
+    plain.start_span("consumer", kind=SpanKind.CONSUMER, attributes={"map": {"a": 1, "b": ("x",)}}).end()
     providers[1].get_tracer("limited").start_span("dropped", attributes={"a": 1, "b": 2, "c": 3}).end()
     for value in (1, 1.0, True, 1, True):  # equal values of three types: same shape but for the type
         plain.start_span("step", attributes={"x": value, "mode": "DECODE"}).end()
@@ -57,7 +57,7 @@ def test_same_request_as_the_sdk_encoder() -> None:
         assert ours == sdk
         assert ours.SerializeToString(deterministic=True) == sdk.SerializeToString(deterministic=True)
     assert len(ours.resource_spans) == 2 and len(ours.resource_spans[0].scope_spans) == 2
-    assert len(shapes) == 7  # all but root (sequence values): 4, and "step" with an int, a float, a bool
+    assert len(shapes) == 6  # all but root and consumer (values not scalars): 3, and "step" with an int, a float, a bool
 
 
 def test_exporter_sends_our_encoding() -> None:

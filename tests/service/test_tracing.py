@@ -115,6 +115,16 @@ def test_tracing_off_without_endpoint() -> None:
     assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
 
 
+def test_batch_settings_from_env() -> None:
+    from modeserve.service.tracing import batch_settings_from_env
+
+    assert batch_settings_from_env({}) == {"schedule_delay_millis": 5000, "max_export_batch_size": 2048,
+                                           "max_queue_size": 8192, "export_timeout_millis": 30000}
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100"}
+    assert batch_settings_from_env(env) == {"schedule_delay_millis": 50, "max_export_batch_size": 100,
+                                            "max_queue_size": 400, "export_timeout_millis": 30000}
+
+
 def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     """One request prefilled in chunks then decoded (EXTEND -> DECODE), a second arriving while it
     decodes (a MIXED step): every step is one forward span labelled by its mode (the engine is in the
