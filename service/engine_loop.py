@@ -302,7 +302,7 @@ class EngineLoop:
             self._unlinked_reqs = () if linked else step.reqs
         span = self.tracing.start_step_span(
             "modeserve.forward" if self.transport.in_process else "modeserve.step", head.span,  # type: ignore[union-attr]
-            SpanKind.CLIENT, [h.span.get_span_context() for h in linked if h is not head],  # type: ignore[union-attr]
+            SpanKind.CLIENT, [h.span.get_span_context() for h in linked if h is not head] if linked else (),  # type: ignore[union-attr]
             {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
              "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
         if span is None:  # the sampler dropped it
