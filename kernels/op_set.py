@@ -20,7 +20,6 @@ class KernelOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
@@ -29,7 +28,7 @@ class KernelOps:
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
 
 
-TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.apply_rotary, ops.store_kv,
+TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
                       ops.apply_rotary_and_store_kv, ops.argmax)
 
 
@@ -51,5 +50,5 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     from modeserve.kernels.triton.rotary import store_kv
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     triton_ops.apply_rotary, store_kv, triton_ops.apply_rotary_and_store_kv, argmax,
+                     store_kv, triton_ops.apply_rotary_and_store_kv, argmax,
                      gemv, gemv_is_faster)

@@ -13,6 +13,7 @@ import torch
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
 from modeserve.kernels.attention.kv_cache import KVCache
+from modeserve.kernels.graph_timing import graph_replay_seconds
 from modeserve.service.bench_limits import copy_bandwidth, device_name
 
 # FlashInfer with its decode kernel forced either way or by the default rule; triton, or triton@N
@@ -71,21 +72,9 @@ def time_backend(name: str, args: argparse.Namespace, bs: int, device: torch.dev
     backend.init_capture(bs, loc)
     for layer in range(args.layers):  # warm-up outside the graph (JIT, autotuning)
         backend.forward(q, k, v, layer)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(args.layers):
-            backend.forward(q, k, v, layer)
-    backend.init_replay(inputs, bs)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / args.repeats / args.layers
+    layers = lambda: [backend.forward(q, k, v, layer) for layer in range(args.layers)]  # noqa: E731
+    replay_setup = lambda: backend.init_replay(inputs, bs)  # noqa: E731  (the static buffers the graph reads)
+    return graph_replay_seconds(layers, args.repeats, warmup=3, after_capture=replay_setup) / args.layers
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

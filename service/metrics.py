@@ -57,7 +57,7 @@ class StepCollector(Collector):
             for mode, n in list(st.mode_counts.items()):
                 steps.add_metric([mode, s.rank], n)
                 tokens.add_metric([mode, s.rank], st.mode_tokens.get(mode, 0))
-            for mode in list(st.mode_timed_steps):
+            for mode in list(st.mode_time_buckets):
                 buckets, _, total = st.step_time_histogram(mode)
                 seconds.add_metric([mode, s.rank], [(_le(b), c) for b, c in buckets], total)
             if s.graph_stats is not None:

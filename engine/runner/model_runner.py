@@ -144,7 +144,6 @@ class ModelRunner:
             req_to_page_cpu=self.slots.req_to_page,
         )
         bucket = None
-        self.last_graph_bucket = None
         if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
             bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:

@@ -22,8 +22,8 @@ class ForwardModeStats:
         self.mode_tokens: dict[str, int] = defaultdict(int)
         self.mode_requests: dict[str, int] = defaultdict(int)
         self.mode_seconds: dict[str, float] = defaultdict(float)
-        self.mode_timed_steps: dict[str, int] = defaultdict(int)
-        # per mode: counts of steps whose time falls at or under each bucket bound (cumulative at read)
+        # per mode (the modes with timed steps): counts of steps whose time falls at or under each bucket
+        # bound (cumulative at read)
         self.mode_time_buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1))
         self.num_retractions = 0
         self.num_prefix_hit_tokens = 0
@@ -45,7 +45,6 @@ class ForwardModeStats:
     def add_time(self, mode: ForwardMode, seconds: float) -> None:
         """One step of ``mode`` took ``seconds`` (its sum and its histogram bucket)."""
         self.mode_seconds[mode.name] += seconds
-        self.mode_timed_steps[mode.name] += 1
         self.mode_time_buckets[mode.name][bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
 
     def step_time_histogram(self, mode: str) -> tuple[list[tuple[float, int]], int, float]:

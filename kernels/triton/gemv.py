@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.graph_timing import graph_replay_seconds
+
 CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=stages)
     for bn in (8, 16, 32) for bk in (256, 512) for stages in (3, 4)
@@ -77,17 +79,7 @@ def gemv_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int
     times = []
     for fn in (lambda w: gemv(x, w, bias), lambda w: torch.nn.functional.linear(x, w, bias)):
         fn(weight)  # autotunes / picks a cuBLAS kernel outside the graph
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(repeats):
-                fn(ws[i % copies])
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / repeats)
+        calls = lambda fn=fn: [fn(ws[i % copies]) for i in range(repeats)]  # noqa: E731
+        times.append(graph_replay_seconds(calls, replays=1) * 1e6 / repeats)
     del ws
     return times[0] < 0.97 * times[1], times[0], times[1]
