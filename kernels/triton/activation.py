@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, out_stride_t, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride_t, out_stride_t, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -37,6 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, inter)
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=max(1, block // 256)
+        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=max(1, block // 256),
+        **pdl_args(x.device),
     )
     return out

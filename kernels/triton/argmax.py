@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+
 CHUNK = 4096  # logits per program in the first pass
 
 
 @triton.jit
 def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, num_chunks,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
@@ -37,7 +40,8 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, num_chunks,
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr):
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     mask = lanes < num_chunks
@@ -59,6 +63,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     _chunk_argmax_kernel[(rows, num_chunks)](x, vals, idxs, vocab, x.stride(0), num_chunks,
-                                             CHUNK=CHUNK, BLOCK=1024, num_warps=4)
-    _row_argmax_kernel[(rows,)](vals, idxs, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+                                             CHUNK=CHUNK, BLOCK=1024, num_warps=4, **pdl_args(x.device))
+    _row_argmax_kernel[(rows,)](vals, idxs, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), num_warps=1,
+                                **pdl_args(x.device))
     return out

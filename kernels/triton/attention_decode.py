@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+
 LOG2E = 1.4426950408889634
 
 
@@ -35,7 +37,9 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -100,7 +104,9 @@ def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32 -> out [B, Hq, D]
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -164,6 +170,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=32, BLOCK_D=block_d,  # spill-free on sm_90 (bf16) for head_dim up to 256
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if head_dim <= 128 else 8,
+        **pdl_args(q.device),
     )
     if splits == 1:
         return out
@@ -171,5 +178,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        **pdl_args(q.device),
     )
     return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from modeserve.kernels.graph_timing import graph_replay_seconds
+from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
 
 CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=stages)
@@ -24,13 +25,20 @@ CONFIGS = [
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_release(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    for k in tl.range(0, K, BLOCK_K):
+    # the first weight tile is constant data: loaded before waiting for the kernel that writes x
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    for k in tl.range(BLOCK_K, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
@@ -57,13 +65,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else weight  # never read without HAS_BIAS
+    pdl = pdl_enabled(x.device)
     if config is not None:
         block_n, block_k = config
-        _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, b, y, n, k, weight.stride(0),
-                                                 HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+        _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+                                                 BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl)
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_autotuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None)
+    _gemv_autotuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl,
+                          launch_pdl=pdl)
     return y
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _normalize(xf, w_ptr, cols, mask, D, eps, x_dtype: tl.constexpr):
@@ -26,8 +28,9 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     x_stride_t, x_stride_h, out_stride_t, out_stride_h,
     D, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -42,8 +45,9 @@ def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr,
     x_stride_t, x_stride_h, r_stride_t, r_stride_h, out_stride_t, out_stride_h,
     D, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -72,7 +76,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x3, weight.contiguous(), out3,
         x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
         x3.shape[-1], eps,
-        BLOCK=block, num_warps=_num_warps(block),
+        BLOCK=block, num_warps=_num_warps(block), **pdl_args(x.device),
     )
     return out
 
@@ -95,7 +99,7 @@ def add_rms_norm(
         x3, r3, weight.contiguous(), out3, r_out3,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), out3.stride(0), out3.stride(1),
         x3.shape[-1], eps,
-        BLOCK=block, num_warps=_num_warps(block),
+        BLOCK=block, num_warps=_num_warps(block), **pdl_args(x.device),
     )
     return out, new_residual
 

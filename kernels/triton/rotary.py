@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -61,7 +63,9 @@ def _rotary_kernel(
     v_stride_t, v_stride_h, cache_stride_s, cache_stride_h,
     num_q_heads, num_kv_heads, HALF,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, STORE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
@@ -91,8 +95,9 @@ def _store_kv_kernel(
     k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h, cache_stride_s, cache_stride_h,
     num_heads, D,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -158,6 +163,7 @@ def _rotary(
         BLOCK_HALF=triton.next_power_of_2(half), STORE=store is not None,
         num_warps=max(1, min(8, triton.next_power_of_2(q.shape[1] * half) // 256)),
         enable_fp_fusion=False,  # no fma: each product is rounded to q's dtype, as in the reference
+        **pdl_args(q.device),
     )
     return q_out, k_out
 
@@ -180,7 +186,7 @@ def store_kv(
         k_cache, v_cache, loc.contiguous(), k, v,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         num_heads, head_dim,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)), **pdl_args(k.device),
     )
 
 
