@@ -26,24 +26,21 @@ CONFIGS = [
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    # the first weight tile is constant data: loaded before waiting for the kernel that writes x
-    cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < K
-    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-    pdl_wait(USE_PDL)
-    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    for k in tl.range(BLOCK_K, K, BLOCK_K):
+    for k in tl.range(0, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    # the next kernel may launch now, during this one's tail (not at the start: a chain of GEMVs
+    # would then all become resident and load early, which measured slower)
+    pdl_release(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)

@@ -4,14 +4,16 @@ A decode step at batch 1 is a chain of ~200-350 short kernels, each waiting for 
 to finish, drain and launch. Launched with PDL (Hopper and later), a kernel may start while its
 predecessor still runs: its programs become resident and wait in ``griddepcontrol.wait`` until the
 predecessor has completed and its writes are visible, so the launch latency, and any work that does
-not depend on the predecessor (a GEMV's first weight tile), overlaps the predecessor's tail.
+not depend on the predecessor, overlaps the predecessor's tail.
 
-The rules every kernel here keeps (``pdl_prologue`` at the top of each program):
-- it lets its own dependents launch at once (``griddepcontrol.launch_dependents``), and
-- it waits before it reads anything an earlier kernel wrote and before it writes anything, so a
-  kernel that starts early never races its predecessor, and (as each kernel only completes after
-  its wait) never races any kernel before that either. Only constant data (weights) may be read
-  before the wait.
+The rules every kernel here keeps:
+- it waits (``griddepcontrol.wait``) before it reads anything an earlier kernel wrote and before it
+  writes anything, in every program, so a kernel that starts early never races its predecessor,
+  and (as each kernel only completes after its wait) never races any kernel before that either;
+- it lets its dependents launch (``griddepcontrol.launch_dependents``): the short kernels at once
+  (``pdl_prologue``), the GEMV after its main loop. (A first try that let every GEMV's dependents
+  launch at once, and loaded the first weight tile before the wait, made a chain of GEMVs slower on
+  an H200: 16.8 against 15.1 µs for a 6144x4096 weight.)
 Kernels of other libraries (cuBLAS, torch) in between are launched as usual and serialise fully.
 """
 
