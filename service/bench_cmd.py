@@ -47,6 +47,8 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("--repeats", type=int, default=7, help="interleaved rounds (medians reported)")
     tr.add_argument("--threads", type=int, default=1)
     tr.add_argument("--cpus", default=None, help="run on these CPUs only (e.g. 1): steadier figures on a shared machine")
+    tr.add_argument("--exporter", choices=("otlp", "none"), default="otlp",
+                    help="none: spans are made but handed to an exporter that drops them (what export costs)")
     tr.set_defaults(func=_json_bench("bench_tracing"))
     dp = kinds.add_parser("dp", help="output tokens/s through one router over 1, 2, 4 CPU engine processes")
     dp.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")

@@ -47,6 +47,25 @@ print(received[0], flush=True)
 """
 
 
+class _DroppingExporter:
+    """Counts the spans it is given and drops them (``--exporter none``: what making spans costs)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.received += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
 class _Receiver:
     """A loopback OTLP trace receiver in a process of its own that counts the spans it is sent."""
 
@@ -70,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from modeserve.engine.models.random_checkpoint import write_random_checkpoint
     from modeserve.service.transport import InProcessTransport
 
-    receiver = _Receiver()  # before the pinning below: not on the benchmark's CPUs
+    receiver = _Receiver() if args.exporter == "otlp" else None  # before the pinning below: not on its CPUs
     if args.cpus:  # every thread of the process, and those made later, on these CPUs
         cpus = {int(c) for c in args.cpus.split(",")}
         for tid in os.listdir("/proc/self/task"):
@@ -78,14 +97,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory()
     model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
     torch.set_num_threads(args.threads)
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_TRACES_SAMPLER": "always_on"}
-    on = Tracing("bench", 0, env=env)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port if receiver else 0}",
+           "OTEL_TRACES_SAMPLER": "always_on"}
+    dropping = _DroppingExporter()
+    on = Tracing("bench", 0, env=env) if receiver is not None else Tracing("bench", 0, exporter=dropping)  # type: ignore[arg-type]
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
     llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
     loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")
     loop.start()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
-    spans_created = 0
+    spans_created, traced_runs = 0, 0
     # Round 0 warms up. The rounds go through the six orders of the three runs in a cycle where, every
     # six rounds, each run comes first, second and third twice and right after each other run three
     # times (never after itself): what a run leaves behind (a collection to do, caches) weighs alike.
@@ -97,11 +118,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
             if configs[name] is not None:  # a span per request, and one per step
                 spans_created += 2 * args.batch_size + sum(loop.scheduler.stats.mode_counts.values()) - steps_before
+                traced_runs += 2  # measure_decode: a long run and a short one
             if rep:
                 samples[name].append(us)
     loop.stop()
     on.shutdown()
-    received = receiver.close()
+    received = receiver.close() if receiver is not None else dropping.received
     tmp.cleanup()
 
     def median(name: str, i: int) -> float:
@@ -121,4 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_us_per_decode_step": {n: round(median(n, 1), 1) for n in configs},  # all threads
             "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
                            for n, v in samples.items()},
+            "exporter": args.exporter,
+            # exporting at the end of each traced run (encode + send, in the bench thread): mean per run
+            # (a long and a short run per measurement: only their difference counts in the step time)
+            "flush_ms_per_run": round(on.flush_seconds / max(traced_runs, 1) * 1e3, 3),
             "spans_created": spans_created, "spans_received": received}
