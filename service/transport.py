@@ -61,8 +61,8 @@ class InProcessTransport(EngineTransport):
 
     def __init__(self, runner: object) -> None:
         self._runner = runner
-        self._spans: dict[int, StepSpan] = {}  # step -> the scheduler's span of it (tracing on)
-        self._spans_lock = threading.Lock()
+        # step -> the scheduler's span of it (tracing on); a dict's setitem and pop are atomic
+        self._spans: dict[int, StepSpan] = {}
         self._inbox: queue.Queue[object] = queue.Queue()
         self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
@@ -97,16 +97,14 @@ class InProcessTransport(EngineTransport):
             pending = self._runner.launch(batch)  # type: ignore[attr-defined]
         except BaseException as exc:
             return functools.partial(_reraise, exc)
-        with self._spans_lock:
-            span = self._spans.pop(batch.step, None)
+        span = self._spans.pop(batch.step, None) if self._spans else None
         if span is not None:
             bucket = self._runner.last_graph_bucket  # type: ignore[attr-defined]
             span.set_attributes(forward_attributes(bucket, batch.batch_size))
         return pending.result  # type: ignore[no-any-return]
 
     def attach_step_span(self, step: int, span: StepSpan) -> None:
-        with self._spans_lock:
-            self._spans[step] = span
+        self._spans[step] = span
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)

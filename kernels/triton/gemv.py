@@ -3,8 +3,8 @@
 At batch 1 a linear layer only streams its weight matrix; cuBLAS's kernels for that shape reach
 about half of the read bandwidth on the 8-32 MB matrices of small models (a split-K reduce kernel
 and few bytes in flight per SM). Here each program owns ``BLOCK_N`` output rows, streams their
-weights in ``BLOCK_K`` tiles through a software pipeline, and reduces in fp32; the tile shape is
-autotuned per (N, K). ``LinearDispatch`` times this against ``torch.nn.functional.linear`` once per
+weights in ``BLOCK_K`` tiles through a software pipeline, accumulates the products per element in
+fp32 and reduces once at the end; the tile shape is autotuned per (N, K). ``LinearDispatch`` times this against ``torch.nn.functional.linear`` once per
 weight shape and keeps whichever is faster, so a layer never gets slower than cuBLAS.
 """
 
@@ -17,29 +17,39 @@ import triton.language as tl
 from modeserve.kernels.graph_timing import graph_replay_seconds
 from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
 
+# the fp32 accumulator is a whole tile: at most 32 registers a thread (4 warps up to 4k elements, 8 above)
 CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=stages)
-    for bn in (8, 16, 32) for bk in (256, 512) for stages in (3, 4)
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4 if bn * bk <= 4096 else 8, num_stages=stages)
+    for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256)) for stages in (3, 4)
 ]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    for k in tl.range(0, K, BLOCK_K):
+    # the first weight tile is constant data: with PDL it streams in while the kernel that writes x
+    # (a norm, an attention merge) still runs
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+    # products accumulate per element and reduce across the tile once, after the loop (a reduction
+    # per tile costs shuffles and a barrier for every BLOCK_K columns)
+    acc2d = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k in tl.range(BLOCK_K, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    # the next kernel may launch now, during this one's tail (not at the start: a chain of GEMVs
-    # would then all become resident and load early, which measured slower)
+        acc2d += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = tl.sum(acc2d, axis=1)
+    # the next kernel may launch now, during this one's tail (not at the start: then every GEMV of a
+    # chain becomes resident at once and loads its first tile early, which measured slower)
     pdl_release(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
