@@ -27,22 +27,33 @@ from modeserve.service.engine_loop import EngineLoop
 from modeserve.service.tracing import Tracing
 
 _RECEIVER = """
-import sys, threading
+import queue, sys, threading
 from concurrent import futures
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-received, lock = [0], threading.Lock()
-class Sink(trace_service_pb2_grpc.TraceServiceServicer):
-    def Export(self, request, context):
-        with lock:
-            received[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+# replies at once and parses afterwards (as a collector that queues what it receives): the engine's
+# flush waits for the reply, not for this process's parsing
+received, inbox = [0], queue.Queue()
+def count():
+    while (data := inbox.get()) is not None:
+        request = trace_service_pb2.ExportTraceServiceRequest.FromString(data)
+        received[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+def export(data, context):
+    inbox.put(data)
+    return trace_service_pb2.ExportTraceServiceResponse()
+counter = threading.Thread(target=count)
+counter.start()
 server = grpc.server(futures.ThreadPoolExecutor(2))
-trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Sink(), server)
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+    "opentelemetry.proto.collector.trace.v1.TraceService",
+    {"Export": grpc.unary_unary_rpc_method_handler(
+        export, response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString)})])
 print(server.add_insecure_port("127.0.0.1:0"), flush=True)
 server.start()
 sys.stdin.read()
 server.stop(0)
+inbox.put(None)
+counter.join()
 print(received[0], flush=True)
 """
 

@@ -67,3 +67,41 @@ def test_exporter_sends_our_encoding() -> None:
         assert exporter._translate_data(spans) == sdk_encode_spans(spans)
     finally:
         exporter.shutdown()
+
+
+def test_step_spans_written_as_bytes_equal_the_sdk_encoding() -> None:
+    """The spans made every step (``StepSpan``) take the direct wire-bytes path: with links (to local
+    and remote contexts), under a local and a remote parent, with engine attributes set later; one
+    links to a context with trace state (that one is built as a message and keeps its place)."""
+    from modeserve.service.tracing import Tracing, forward_attributes
+
+    memory = InMemorySpanExporter()
+    tracing = Tracing("engine", 1, exporter=memory)
+    request = tracing.start_span("request", kind=SpanKind.SERVER)
+    remote = NonRecordingSpan(SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1)))
+    stated = SpanContext(0xABC, 0x123, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    made = []
+    for i, (parent, links) in enumerate([(request, ()), (request, (remote.get_span_context(),)),
+                                         (remote, (request.get_span_context(), remote.get_span_context())),
+                                         (remote, (stated,)), (request, ())]):
+        span = tracing.start_step_span("modeserve.forward", parent, SpanKind.CLIENT, links,
+                                       {"modeserve.forward_mode": "DECODE" if i else "EXTEND", "modeserve.batch_size": i,
+                                        "modeserve.num_tokens": 7, "modeserve.dp_rank": 1})
+        assert span is not None
+        span.set_attributes(forward_attributes(8 if i % 2 else None, i))
+        span.end()
+        made.append(span)
+        if i == 2:
+            tracing.start_span("between", kind=SpanKind.INTERNAL).end()
+    request.end()
+    spans = list(memory.get_finished_spans())
+    assert sum(type(s).__name__ == "StepSpan" for s in spans) == 5 and len(spans) == 7
+    shapes: dict = {}
+    for _ in range(2):
+        ours = encode_spans(spans, shapes)
+        assert ours == sdk_encode_spans(spans)
+    steps, sdk_spans = ours.resource_spans[0].scope_spans  # step spans share one scope object, SDK spans another
+    assert [s.name for s in sdk_spans.spans] == ["between", "request"]
+    assert [kv.value.int_value for s in steps.spans for kv in s.attributes if kv.key == "modeserve.batch_size"] == [
+        0, 1, 2, 3, 4]  # in the order they ended, the one with a trace-stated link (a message) in its place
+    assert [len(s.links) for s in steps.spans] == [0, 1, 2, 1, 0]
