@@ -51,7 +51,7 @@ class TokenUpdate:
 @dataclass
 class RequestHandle:
     req: Req
-    updates: queue.Queue[TokenUpdate] = field(default_factory=queue.Queue)
+    updates: queue.SimpleQueue[TokenUpdate] = field(default_factory=queue.SimpleQueue)
     span: Span | None = None  # the router's request span, when tracing is on
     step_links: int = 0  # step spans linked to it so far
     unlinked_steps: list[SpanContext] = field(default_factory=list)  # of those, not yet added to the span

@@ -63,8 +63,8 @@ class InProcessTransport(EngineTransport):
         self._runner = runner
         # step -> the scheduler's span of it (tracing on); a dict's setitem and pop are atomic
         self._spans: dict[int, StepSpan] = {}
-        self._inbox: queue.Queue[object] = queue.Queue()
-        self._results: queue.Queue[ForwardResult | BaseException] = queue.Queue()
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[ForwardResult | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
         self._thread.start()
 
@@ -128,7 +128,7 @@ class GrpcTransport(EngineTransport):
     def __init__(self, channel: grpc.Channel) -> None:
         from modeserve.proto.v1 import engine_pb2_grpc
 
-        self._requests: queue.Queue[object] = queue.Queue()
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         stub = engine_pb2_grpc.EngineStub(channel)
         self._responses = stub.Forward(self._request_iter())
 
