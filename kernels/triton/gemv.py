@@ -4,8 +4,9 @@ At batch 1 a linear layer only streams its weight matrix; cuBLAS's kernels for t
 about half of the read bandwidth on the 8-32 MB matrices of small models (a split-K reduce kernel
 and few bytes in flight per SM). Here each program owns ``BLOCK_N`` output rows, streams their
 weights in ``BLOCK_K`` tiles through a software pipeline, accumulates the products per element in
-fp32 and reduces once at the end; the tile shape is autotuned per (N, K). ``LinearDispatch`` times this against ``torch.nn.functional.linear`` once per
-weight shape and keeps whichever is faster, so a layer never gets slower than cuBLAS.
+fp32 and reduces once at the end; the tile shape is autotuned per (N, K). ``choose_gemv``
+(``engine/models/linear.py``) times this against ``torch.nn.functional.linear`` once per weight
+shape and keeps whichever is faster, so a layer never gets slower than cuBLAS.
 """
 
 from __future__ import annotations
