@@ -11,12 +11,15 @@ drift in the machine's load. Every span made is counted and must reach the recei
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,30 @@ inbox.put(None)
 counter.join()
 print(received[0], flush=True)
 """
+
+
+class _GcClock:
+    """Garbage collections (count by generation, seconds) during the runs of each configuration:
+    a traced run keeps its spans alive until the flush, which may bring full collections forward."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.current: str | None = None
+        self.counts = {name: [0, 0, 0] for name in names}
+        self.seconds = dict.fromkeys(self.counts, 0.0)
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if self.current is None:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.counts[self.current][info["generation"]] += 1
+        self.seconds[self.current] += time.perf_counter() - self._started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 class _DroppingExporter:
@@ -118,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loop.start()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
     spans_created, traced_runs = 0, 0
+    gc_clock = _GcClock(configs)
     # Round 0 warms up. The rounds go through the six orders of the three runs in a cycle where, every
     # six rounds, each run comes first, second and third twice and right after each other run three
     # times (never after itself): what a run leaves behind (a collection to do, caches) weighs alike.
@@ -126,12 +154,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
             loop.tracing = configs[name]  # one engine for all: between runs no step is in flight
             steps_before = sum(loop.scheduler.stats.mode_counts.values())
+            gc_clock.current = name if rep else None
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
+            gc_clock.current = None
             if configs[name] is not None:  # a span per request, and one per step
                 spans_created += 2 * args.batch_size + sum(loop.scheduler.stats.mode_counts.values()) - steps_before
                 traced_runs += 2  # measure_decode: a long run and a short one
             if rep:
                 samples[name].append(us)
+    gc_clock.close()
     loop.stop()
     on.shutdown()
     received = receiver.close() if receiver is not None else dropping.received
@@ -158,4 +189,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # exporting at the end of each traced run (encode + send, in the bench thread): mean per run
             # (a long and a short run per measurement: only their difference counts in the step time)
             "flush_ms_per_run": round(on.flush_seconds / max(traced_runs, 1) * 1e3, 3),
+            # collections by generation [0, 1, 2] and their time, over each configuration's measured runs
+            "gc_collections": gc_clock.counts, "gc_ms": {n: round(s * 1e3, 2) for n, s in gc_clock.seconds.items()},
             "spans_created": spans_created, "spans_received": received}

@@ -81,6 +81,7 @@ def test_bench_tracing_prints_overhead_json() -> None:
     assert r["us_per_decode_step"]["tracing_off"] > 0 and r["us_per_decode_step"]["tracing_on"] > 0
     assert r["spans_received"] == r["spans_created"] > 16  # the spans really reached the OTLP receiver
     assert r["flush_ms_per_run"] > 0
+    assert set(r["gc_collections"]) == set(r["gc_ms"]) == {"tracing_off", "tracing_off_again", "tracing_on"}
     dropped = modeserve("bench", "tracing", "--steps", "16", "--repeats", "1", "--batch-size", "2", "--exporter", "none")
     assert dropped.returncode == 0, dropped.stderr
     d = json.loads(dropped.stdout.strip().splitlines()[-1])
