@@ -57,11 +57,12 @@ class RequestHandle:
     unlinked_steps: list[SpanContext] = field(default_factory=list)  # of those, not yet added to the span
 
     def link_steps(self) -> None:
-        """Add the links to the steps so far, all at once (cheaper than one per step)."""
-        if self.unlinked_steps and self.span is not None and self.span.is_recording():
-            for ctx in self.unlinked_steps:
+        """Add the links to the steps so far, all at once (cheaper than one per step). The engine
+        loop calls it, and the router when a client goes away: the list is swapped out, not cleared."""
+        steps, self.unlinked_steps = self.unlinked_steps, []
+        if steps and self.span is not None and self.span.is_recording():
+            for ctx in steps:
                 self.span.add_link(ctx)
-        self.unlinked_steps.clear()
 
 
 class EngineLoop:

@@ -73,7 +73,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 span.end()
             context.abort(code, str(exc))
         context.add_callback(lambda: self.table.abort(rid))  # client cancel or deadline: free its KV
-        yield from self._stream(rid, handle, sampling.stop, context, arrived)
+        try:
+            yield from self._stream(rid, handle, sampling.stop, context, arrived)
+        finally:  # a cancelled stream is closed at its yield: its span still ends, with its steps
+            if handle.span is not None and handle.span.is_recording():
+                handle.link_steps()
+                handle.span.set_status(Status(StatusCode.ERROR, "client went away"))
+                handle.span.end()
 
     def _request_span(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Span:
         """The request's span (gen_ai conventions), a child of the client's W3C context if it sent one."""
@@ -107,10 +113,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 upd = handle.updates.get(timeout=0.5)
             except queue.Empty:
                 if not context.is_active():
-                    if handle.span is not None:
-                        handle.span.set_status(Status(StatusCode.ERROR, "client went away"))
-                        handle.span.end()
-                    return
+                    return  # the span ends in Generate
                 continue
             tokens = list(upd.token_ids)
             num_out += len(tokens)

@@ -340,3 +340,38 @@ def test_engine_reads_the_routers_trace_context() -> None:
                                         "modeserve.cuda_graph": True, "modeserve.padded_batch_size": 8}
     assert alone.parent is None and alone.attributes["modeserve.forward_mode"] == "IDLE"
     assert forward.resource.attributes["modeserve.dp_rank"] == 1
+
+
+def test_cancelled_request_keeps_its_step_links(tiny_model: Path) -> None:
+    """A client that goes away after a few tokens (before the request's MAX_STEP_LINKS-th step): its
+    stream is closed at a yield, and the request span still ends, linked to the steps that served it."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.client import GenerateClient
+    from modeserve.service.router_app import start_serve
+
+    exporter = InMemorySpanExporter()
+    app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
+                      page_size=4)
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        stream = client.stream(token_ids=list(range(3, 13)), max_new_tokens=200, ignore_eos=True)
+        got = 0
+        for msg in stream:
+            got += len(msg.token_ids)
+            if got >= 3:
+                break
+        stream.cancel()  # type: ignore[attr-defined]
+        deadline = time.time() + 10
+        while time.time() < deadline and not any(s.name.startswith("text_completion") for s in exporter.get_finished_spans()):
+            time.sleep(0.05)
+    finally:
+        client.close()
+        app.stop(grace=1)
+    spans = exporter.get_finished_spans()
+    (request,) = [s for s in spans if s.name.startswith("text_completion")]
+    steps = [s for s in spans if s.name == "modeserve.forward" and s.parent.span_id == request.context.span_id]
+    linked = [link.context.span_id for link in request.links]
+    assert request.status.description == "client went away"  # ended, although its stream was closed mid-way
+    assert len(linked) >= 3  # the prefill and the decodes before the client left
+    assert set(linked) <= {s.context.span_id for s in steps}
