@@ -3,6 +3,7 @@ reflection, and a graceful SIGTERM (NOT_SERVING -> stop accepting -> finish in f
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -70,8 +71,18 @@ def create_grpc_server(
     return out
 
 
+def freeze_startup_heap() -> None:
+    """Collect once, then put everything alive after start-up (torch, the model's modules, the
+    tokenizer: hundreds of thousands of objects) out of the collector's reach, so that a full
+    collection while serving walks only what serving allocated: one over the whole heap takes
+    ~100-200 ms, a pause every in-flight stream would see."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve_until_signal(srv: GrpcServer, grace: float, on_stop: Callable[[], None] | None = None) -> int:
     """Block until SIGTERM/SIGINT, then shut down gracefully; returns the process exit code (0)."""
+    freeze_startup_heap()
     stop = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
