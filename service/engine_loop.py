@@ -30,6 +30,7 @@ from modeserve.service.tracing import Tracing, inject
 from modeserve.service.transport import EngineTransport
 
 if TYPE_CHECKING:
+    from modeserve.service.step_record import StepRecord
     from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ class EngineLoop:
             handle.link_steps()  # before the router ends the span
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
-    def _process(self, step: ScheduledStep, started: float, span: StepSpan | None, result: ForwardResult) -> None:
+    def _process(self, step: ScheduledStep, started: float, span: StepSpan | StepRecord | None, result: ForwardResult) -> None:
         """Deliver a step's tokens; its time counts from when it could start: its submission, or
         the previous result if that came later (steps in flight run one after the other)."""
         if span is not None:
@@ -228,7 +229,7 @@ class EngineLoop:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _run_free(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float, StepSpan | None]] = collections.deque()
+        in_flight: collections.deque[tuple[ScheduledStep, float, StepSpan | StepRecord | None]] = collections.deque()
         while not self._stopped:
             with self._sched_lock:
                 self._drain_inbox()
@@ -280,7 +281,7 @@ class EngineLoop:
     # stay small (links were most of what a step span cost to export).
     MAX_STEP_LINKS = 16
 
-    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, StepSpan | None]:
+    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, StepSpan | StepRecord | None]:
         """With tracing on: a ``modeserve.step`` span in the trace of a sampled request of the step
         (the previous step's, while it runs), its context sent along in the batch; with the engine in
         this process that span is the step's ``modeserve.forward`` span itself. No span when no

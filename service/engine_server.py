@@ -31,6 +31,7 @@ from modeserve.service.metrics import MetricsServer, RankSample
 from modeserve.service.tracing import Tracing, start_forward_span
 
 if TYPE_CHECKING:
+    from modeserve.service.step_record import StepRecord
     from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class _Launched:
     batch: ForwardBatch
     start: float
     pending: PendingResult[ForwardResult]
-    span: Span | StepSpan | None
+    span: Span | StepSpan | StepRecord | None
 
 
 def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],

@@ -24,6 +24,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span, SpanFlags
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind
 
+from modeserve.service.step_record import StepRecord
 from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ def encode_spans(spans: Sequence[ReadableSpan], shapes: dict[tuple[Any, ...], by
                 resource_spans = resources[id(resource)] = request.resource_spans.add(schema_url=resource.schema_url)
                 _add_attributes(resource_spans.resource.attributes, resource.attributes)
             group = groups[id(resource), id(scope)] = (_add_scope(resource_spans.scope_spans, scope), [])
-        encoded = _step_span_bytes(span, shapes) if type(span) is StepSpan else _span_bytes(span, shapes)
+        kind = type(span)
+        encoded = (_record_bytes(span, shapes) if kind is StepRecord else  # type: ignore[arg-type]
+                   _step_span_bytes(span, shapes) if kind is StepSpan else _span_bytes(span, shapes))
         group[1].append(_SPANS_TAG + _varint(len(encoded)) + encoded)
     for scope_spans, encoded_spans in groups.values():
         scope_spans.MergeFromString(b"".join(encoded_spans))
@@ -151,6 +154,28 @@ def _step_span_bytes(span: StepSpan, shapes: dict[tuple[Any, ...], bytes]) -> by
              _END, _FIXED64.pack(span.end_time)]
     for link in links:
         lc = link.context
+        parts += (_LINK, _LINK_LEN, _TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
+                  _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL))
+    parts.append(shape)
+    return b"".join(parts)
+
+
+def _record_bytes(record: StepRecord, shapes: dict[tuple[Any, ...], bytes]) -> bytes:
+    """``_step_span_bytes`` for a ``StepRecord`` (the step spans of the OTLP path), from its fields."""
+    parent, links = record.parent, record.links
+    if parent.trace_state or any(link.trace_state for link in links):
+        return _span_bytes(record.readable(), shapes)
+    flags = _REMOTE if parent.is_remote else _LOCAL
+    key = (record.name, record.kind, flags, *record.attributes.items())
+    shape = shapes.get(key)
+    if shape is None:
+        shape = shapes[key] = _shape(record.readable(), flags, {})
+        if len(shapes) > MAX_SHAPES:
+            shapes.clear()
+    parts = [_TRACE_ID, record.trace_id.to_bytes(16, "big"), _SPAN_ID, record.span_id.to_bytes(8, "big"),
+             _PARENT_ID, parent.span_id.to_bytes(8, "big"), _START, _FIXED64.pack(record.start_time),
+             _END, _FIXED64.pack(record.end_time)]
+    for lc in links:
         parts += (_LINK, _LINK_LEN, _TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
                   _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL))
     parts.append(shape)

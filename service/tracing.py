@@ -11,7 +11,8 @@ environment by default), nothing else.
 Each process owns its provider (nothing is installed globally). Trace context travels as W3C
 ``traceparent``/``tracestate``: in gRPC metadata from clients to the router, and in
 ``ForwardBatch.trace_context`` from the router's step to the engine's forward. Request spans are the
-SDK's; the spans made every step are ``StepSpan``s (``step_span``), a fraction of an SDK span's cost.
+SDK's; the spans made every step are ``StepRecord``s on the OTLP path (``step_record``: fields only,
+written as wire bytes by the export thread) and ``StepSpan``s with a test's exporter (``step_span``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.sdk.trace.sampling import Sampler
 
+    from modeserve.service.step_record import StepBatcher, StepRecord
     from modeserve.service.step_span import StepSpan
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -84,6 +86,7 @@ class Tracing:
         env = os.environ if env is None else env
         self.enabled = exporter is not None or tracing_requested(env)
         self.flush_seconds = 0.0
+        self._steps: StepBatcher | None = None  # the OTLP path's step spans (records, not SDK objects)
         self._provider: object = None
         self.tracer: Tracer = trace.NoOpTracer()
         if not self.enabled:
@@ -106,22 +109,27 @@ class Tracing:
             if key.strip() and value:
                 attributes.setdefault(key.strip(), value.strip())
         provider = TracerProvider(resource=Resource(attributes), sampler=sampler_from_env(env))
+        scope = InstrumentationScope("modeserve")
         processor: SpanProcessor
         if exporter is not None:
             processor = SimpleSpanProcessor(exporter)
         else:
             from modeserve.service.otlp_encoding import FastOTLPSpanExporter
+            from modeserve.service.step_record import StepBatcher, StepRecord
 
             endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             insecure = endpoint.startswith("http://") or env.get("OTEL_EXPORTER_OTLP_INSECURE", "").lower() == "true"
-            processor = BatchSpanProcessor(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure),
-                                           **batch_settings_from_env(env))
+            settings = batch_settings_from_env(env)
+            processor = BatchSpanProcessor(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure), **settings)
+            self._steps = StepBatcher(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure), provider.resource,
+                                      scope, **settings)
+            self._new_record = functools.partial(StepRecord, self._steps)
         provider.add_span_processor(processor)
         self._provider = provider
         self.tracer = provider.get_tracer("modeserve")
         # what step spans take from the provider
         self._sampler, self._ids = provider.sampler, provider.id_generator
-        self._new_step_span = functools.partial(StepSpan, processor, provider.resource, InstrumentationScope("modeserve"))
+        self._new_step_span = functools.partial(StepSpan, processor, provider.resource, scope)
         self._last_sampling: tuple[SpanContext | None, Any] = (None, None)  # (parent, the sampler's result)
 
     def start_span(self, name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
@@ -129,7 +137,7 @@ class Tracing:
         return self.tracer.start_span(name, context=parent, kind=kind, links=list(links), attributes=attributes)
 
     def start_step_span(self, name: str, parent: Span, kind: SpanKind, links: Sequence[SpanContext],
-                        attributes: dict[str, Any]) -> StepSpan | None:
+                        attributes: dict[str, Any]) -> StepSpan | StepRecord | None:
         """The span of one step, a child of ``parent`` (whose context is valid), linked to ``links``;
         None unless the provider's sampler samples it. The samplers ``OTEL_TRACES_SAMPLER`` names
         decide by the parent and the trace id alone (and add no attributes), so consecutive steps in
@@ -142,8 +150,11 @@ class Tracing:
             self._last_sampling = (parent_ctx, result)
         if not result.decision.is_sampled():
             return None
-        context = SpanContext(parent_ctx.trace_id, self._ids.generate_span_id(), False,
-                              _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID], result.trace_state)
+        flags = _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID]
+        if self._steps is not None:
+            return self._new_record(name, parent_ctx.trace_id, self._ids.generate_span_id(), flags, parent_ctx, kind,
+                                    tuple(links), attributes)
+        context = SpanContext(parent_ctx.trace_id, self._ids.generate_span_id(), False, flags, result.trace_state)
         return self._new_step_span(name, context, parent_ctx, kind, [Link(ctx) for ctx in links] if links else (),
                                    attributes)
 
@@ -153,11 +164,15 @@ class Tracing:
         if self._provider is not None:
             start = time.perf_counter()
             self._provider.force_flush()  # type: ignore[attr-defined]
+            if self._steps is not None:
+                self._steps.flush()
             self.flush_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:
         """Flush what is buffered (called when the process stops serving)."""
         if self._provider is not None:
+            if self._steps is not None:
+                self._steps.shutdown()
             self._provider.shutdown()  # type: ignore[attr-defined]
             self._provider = None
 
@@ -167,7 +182,7 @@ def extract(carrier: Mapping[str, str]) -> Context:
     return _PROPAGATOR.extract(dict(carrier))
 
 
-def inject(span: Span | StepSpan) -> dict[str, str]:
+def inject(span: Span | StepSpan | StepRecord) -> dict[str, str]:
     """W3C ``traceparent`` (version 00) that makes ``span`` the parent on the other side; written
     directly: this runs once per step."""
     ctx = span.get_span_context()
@@ -187,7 +202,7 @@ def remote_parent(trace_context: Mapping[str, str]) -> Span | None:
 
 
 def start_forward_span(tracing: Tracing, trace_context: Mapping[str, str], mode: str, batch_size: int,
-                       num_tokens: int, graph_bucket: int | None, dp_rank: int) -> Span | StepSpan | None:
+                       num_tokens: int, graph_bucket: int | None, dp_rank: int) -> Span | StepSpan | StepRecord | None:
     """The engine's ``modeserve.forward`` span of one step, a child of the router's step span (a
     root span, made by the SDK, when the batch carries no trace context); None when not sampled.
     Step spans carry no step number: an attribute unique to each span would keep the exporter from

@@ -19,6 +19,7 @@ from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.service.tracing import forward_attributes
 
 if TYPE_CHECKING:
+    from modeserve.service.step_record import StepRecord
     from modeserve.service.step_span import StepSpan
 
 
@@ -40,7 +41,7 @@ class EngineTransport(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    def attach_step_span(self, step: int, span: StepSpan) -> None:
+    def attach_step_span(self, step: int, span: StepSpan | StepRecord) -> None:
         """Only ``in_process``: hand the scheduler's span of ``step`` to the engine, which fills in
         what only it knows (CUDA graph, padding); that one span is the step's ``modeserve.forward``
         span. A remote engine makes its own from the batch's trace context instead."""
@@ -62,7 +63,7 @@ class InProcessTransport(EngineTransport):
     def __init__(self, runner: object) -> None:
         self._runner = runner
         # step -> the scheduler's span of it (tracing on); a dict's setitem and pop are atomic
-        self._spans: dict[int, StepSpan] = {}
+        self._spans: dict[int, StepSpan | StepRecord] = {}
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[ForwardResult | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
@@ -103,7 +104,7 @@ class InProcessTransport(EngineTransport):
             span.set_attributes(forward_attributes(bucket, batch.batch_size))
         return pending.result  # type: ignore[no-any-return]
 
-    def attach_step_span(self, step: int, span: StepSpan) -> None:
+    def attach_step_span(self, step: int, span: StepSpan | StepRecord) -> None:
         self._spans[step] = span
 
     def submit(self, batch: ForwardBatch) -> None:

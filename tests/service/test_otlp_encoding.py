@@ -105,3 +105,29 @@ def test_step_spans_written_as_bytes_equal_the_sdk_encoding() -> None:
     assert [kv.value.int_value for s in steps.spans for kv in s.attributes if kv.key == "modeserve.batch_size"] == [
         0, 1, 2, 3, 4]  # in the order they ended, the one with a trace-stated link (a message) in its place
     assert [len(s.links) for s in steps.spans] == [0, 1, 2, 1, 0]
+
+
+def test_step_records_equal_the_sdk_encoding_of_the_same_spans() -> None:
+    """The OTLP path's step spans (``StepRecord``): written from their fields, they encode as the SDK
+    encodes the equivalent ``ReadableSpan``s; one under a parent with trace state goes through the
+    message path and keeps its place."""
+    from modeserve.service.step_record import StepBatcher, StepRecord
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    batcher = StepBatcher(InMemorySpanExporter(), Resource({"service.name": "e"}), InstrumentationScope("modeserve"),
+                          schedule_delay_millis=60_000, max_export_batch_size=100, max_queue_size=100)
+    local = SpanContext(0xAB, 0xCD, is_remote=False, trace_flags=TraceFlags(1))
+    remote = SpanContext(0xAB, 0xEF, is_remote=True, trace_flags=TraceFlags(1))
+    stated = SpanContext(0xAB, 0x12, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    records = []
+    for i, (parent, links) in enumerate([(local, ()), (remote, (local,)), (stated, ()), (local, (remote, local))]):
+        r = StepRecord(batcher, "modeserve.forward", parent.trace_id, 100 + i, TraceFlags(1), parent, SpanKind.CLIENT,
+                       links, {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": i})
+        r.set_attributes({"modeserve.cuda_graph": bool(i % 2)})
+        r.end()
+        records.append(r)
+    shapes: dict = {}
+    for _ in range(2):
+        assert encode_spans(records, shapes) == sdk_encode_spans([r.readable() for r in records])
+    assert records[2].context.trace_state == stated.trace_state  # a child carries its parent's trace state
+    batcher.shutdown()
