@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -90,11 +91,13 @@ class _DroppingExporter:
 
     def __init__(self) -> None:
         self.received = 0
+        self._lock = threading.Lock()  # request spans and step spans export from two threads
 
     def export(self, spans: Any) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
-        self.received += len(spans)
+        with self._lock:
+            self.received += len(spans)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port if receiver else 0}",
            "OTEL_TRACES_SAMPLER": "always_on"}
     dropping = _DroppingExporter()
-    on = Tracing("bench", 0, env=env) if receiver is not None else Tracing("bench", 0, exporter=dropping)  # type: ignore[arg-type]
+    on = (Tracing("bench", 0, env=env) if receiver is not None else
+          Tracing("bench", 0, env=env, exporter=dropping, batched=True))  # type: ignore[arg-type]
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
     llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
     loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")

@@ -81,8 +81,9 @@ class Tracing:
     """A process's tracer (or nothing, when tracing is off)."""
 
     def __init__(self, component: str, dp_rank: int | None = None, env: Mapping[str, str] | None = None,
-                 exporter: SpanExporter | None = None) -> None:
-        """``exporter``: where spans go instead of OTLP (tests: an in-memory exporter; turns tracing on)."""
+                 exporter: SpanExporter | None = None, batched: bool = False) -> None:
+        """``exporter``: where spans go instead of OTLP (turns tracing on): each span as it ends (tests:
+        an in-memory exporter), or with ``batched`` in batches as OTLP's go (step spans as records)."""
         env = os.environ if env is None else env
         self.enabled = exporter is not None or tracing_requested(env)
         self.flush_seconds = 0.0
@@ -111,7 +112,7 @@ class Tracing:
         provider = TracerProvider(resource=Resource(attributes), sampler=sampler_from_env(env))
         scope = InstrumentationScope("modeserve")
         processor: SpanProcessor
-        if exporter is not None:
+        if exporter is not None and not batched:
             processor = SimpleSpanProcessor(exporter)
         else:
             from modeserve.service.otlp_encoding import FastOTLPSpanExporter
@@ -120,9 +121,9 @@ class Tracing:
             endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             insecure = endpoint.startswith("http://") or env.get("OTEL_EXPORTER_OTLP_INSECURE", "").lower() == "true"
             settings = batch_settings_from_env(env)
-            processor = BatchSpanProcessor(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure), **settings)
-            self._steps = StepBatcher(FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure), provider.resource,
-                                      scope, **settings)
+            otlp = lambda: FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure)  # noqa: E731
+            processor = BatchSpanProcessor(exporter or otlp(), **settings)
+            self._steps = StepBatcher(exporter or otlp(), provider.resource, scope, **settings)
             self._new_record = functools.partial(StepRecord, self._steps)
         provider.add_span_processor(processor)
         self._provider = provider
