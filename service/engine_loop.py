@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from opentelemetry.trace import Span, SpanContext, SpanKind
 
 from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
+_MODE_NAMES = {mode: mode.name for mode in ForwardMode}  # an enum's .name is a descriptor call
 
 
 class QueueFullError(RuntimeError):
@@ -305,7 +307,7 @@ class EngineLoop:
         span = self.tracing.start_step_span(
             "modeserve.forward" if self.transport.in_process else "modeserve.step", head.span,  # type: ignore[union-attr]
             SpanKind.CLIENT, [h.span.get_span_context() for h in linked if h is not head] if linked else (),  # type: ignore[union-attr]
-            {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+            {"modeserve.forward_mode": _MODE_NAMES[batch.forward_mode], "modeserve.batch_size": batch.batch_size,
              "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
         if span is None:  # the sampler dropped it
             return (batch, None) if self.transport.in_process else (

@@ -131,7 +131,7 @@ class Tracing:
         # what step spans take from the provider
         self._sampler, self._ids = provider.sampler, provider.id_generator
         self._new_step_span = functools.partial(StepSpan, processor, provider.resource, scope)
-        self._last_sampling: tuple[SpanContext | None, Any] = (None, None)  # (parent, the sampler's result)
+        self._last_sampling: tuple[SpanContext | None, bool, Any, Any] = (None, False, None, None)
 
     def start_span(self, name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    links: Sequence[Link] = (), attributes: Mapping[str, Any] | None = None) -> Span:
@@ -144,14 +144,15 @@ class Tracing:
         decide by the parent and the trace id alone (and add no attributes), so consecutive steps in
         one request's trace ask once."""
         parent_ctx = parent.get_span_context()
-        last_parent, result = self._last_sampling  # one tuple: loops of several ranks may share this
-        if last_parent != parent_ctx:
+        # one tuple (loops of several ranks may share this): the parent, whether sampled, the flags, the result
+        last_parent, sampled, flags, result = self._last_sampling
+        if last_parent is not parent_ctx and last_parent != parent_ctx:
             result = self._sampler.should_sample(trace.set_span_in_context(parent), parent_ctx.trace_id, name, kind,
                                                  attributes, [Link(ctx) for ctx in links])
-            self._last_sampling = (parent_ctx, result)
-        if not result.decision.is_sampled():
+            sampled, flags = result.decision.is_sampled(), _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID]
+            self._last_sampling = (parent_ctx, sampled, flags, result)
+        if not sampled:
             return None
-        flags = _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID]
         if self._steps is not None:
             return self._new_record(name, parent_ctx.trace_id, self._ids.generate_span_id(), flags, parent_ctx, kind,
                                     tuple(links), attributes)
