@@ -25,7 +25,6 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind
 
 from modeserve.service.step_record import StepRecord
-from modeserve.service.step_span import StepSpan
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +68,8 @@ def encode_spans(spans: Sequence[ReadableSpan], shapes: dict[tuple[Any, ...], by
                 resource_spans = resources[id(resource)] = request.resource_spans.add(schema_url=resource.schema_url)
                 _add_attributes(resource_spans.resource.attributes, resource.attributes)
             group = groups[id(resource), id(scope)] = (_add_scope(resource_spans.scope_spans, scope), [])
-        kind = type(span)
-        encoded = (_record_bytes(span, shapes) if kind is StepRecord else  # type: ignore[arg-type]
-                   _step_span_bytes(span, shapes) if kind is StepSpan else _span_bytes(span, shapes))
+        encoded = (_record_bytes(span, shapes) if type(span) is StepRecord  # type: ignore[arg-type]
+                   else _span_bytes(span, shapes))
         group[1].append(_SPANS_TAG + _varint(len(encoded)) + encoded)
     for scope_spans, encoded_spans in groups.values():
         scope_spans.MergeFromString(b"".join(encoded_spans))
@@ -110,6 +108,13 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def _link_parts(lc: SpanContext) -> tuple[bytes, ...]:
+    """A ``Span.links`` entry with ids and flags only (links with attributes or trace state take the
+    message path)."""
+    return (_LINK, _LINK_LEN, _TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
+            _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL))
+
+
 def _span_bytes(span: ReadableSpan, shapes: dict[tuple[Any, ...], bytes]) -> bytes:
     """``span`` as a serialized ``Span``: written directly when it has no events or trace state, its
     links none of theirs and no attributes; else built as a message."""
@@ -127,41 +132,15 @@ def _span_bytes(span: ReadableSpan, shapes: dict[tuple[Any, ...], bytes]) -> byt
     if span.end_time:
         parts += (_END, _FIXED64.pack(span.end_time))
     for link in links:
-        lc = link.context
-        encoded = b"".join((_TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
-                            _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL)))
-        parts += (_LINK, _varint(len(encoded)), encoded)
+        parts += _link_parts(link.context)
     parts.append(_shape(span, _REMOTE if parent is not None and parent.is_remote else _LOCAL, shapes))
     return b"".join(parts)
 
 
-def _step_span_bytes(span: StepSpan, shapes: dict[tuple[Any, ...], bytes]) -> bytes:
-    """``_span_bytes`` for the spans made every step, from what a ``StepSpan`` holds: no events, no
-    dropped anything, an unset status, scalar attribute values whose types follow from their keys
-    (so the keys and values alone identify the shape)."""
-    ctx, parent, links = span.context, span.parent, span.links
-    if ctx.trace_state or any(link.context.trace_state or link.attributes for link in links):
-        return _span_bytes(span, shapes)
-    flags = _REMOTE if parent.is_remote else _LOCAL
-    key = (span.name, span.kind, flags, *span.attributes_view.items())
-    shape = shapes.get(key)
-    if shape is None:
-        shape = shapes[key] = _shape(span, flags, {})
-        if len(shapes) > MAX_SHAPES:
-            shapes.clear()
-    parts = [_TRACE_ID, ctx.trace_id.to_bytes(16, "big"), _SPAN_ID, ctx.span_id.to_bytes(8, "big"),
-             _PARENT_ID, parent.span_id.to_bytes(8, "big"), _START, _FIXED64.pack(span.start_time),
-             _END, _FIXED64.pack(span.end_time)]
-    for link in links:
-        lc = link.context
-        parts += (_LINK, _LINK_LEN, _TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
-                  _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL))
-    parts.append(shape)
-    return b"".join(parts)
-
-
 def _record_bytes(record: StepRecord, shapes: dict[tuple[Any, ...], bytes]) -> bytes:
-    """``_step_span_bytes`` for a ``StepRecord`` (the step spans of the OTLP path), from its fields."""
+    """``_span_bytes`` for a ``StepRecord`` (the step spans of the OTLP path), from its fields: no events,
+    no dropped anything, an unset status, scalar attribute values whose types follow from their keys
+    (so the keys and values alone identify the shape)."""
     parent, links = record.parent, record.links
     if parent.trace_state or any(link.trace_state for link in links):
         return _span_bytes(record.readable(), shapes)
@@ -176,8 +155,7 @@ def _record_bytes(record: StepRecord, shapes: dict[tuple[Any, ...], bytes]) -> b
              _PARENT_ID, parent.span_id.to_bytes(8, "big"), _START, _FIXED64.pack(record.start_time),
              _END, _FIXED64.pack(record.end_time)]
     for lc in links:
-        parts += (_LINK, _LINK_LEN, _TRACE_ID, lc.trace_id.to_bytes(16, "big"), _SPAN_ID, lc.span_id.to_bytes(8, "big"),
-                  _LINK_FLAGS, _FIXED32.pack(_REMOTE if lc.is_remote else _LOCAL))
+        parts += _link_parts(lc)
     parts.append(shape)
     return b"".join(parts)
 

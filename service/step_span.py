@@ -28,15 +28,6 @@ class StepSpan(ReadableSpan):
                          instrumentation_scope=scope)
         self._processor = processor
 
-    @property
-    def attributes_view(self) -> dict[str, Any]:
-        """The attributes themselves (the ``attributes`` property wraps them in a read-only proxy)."""
-        return self._attributes  # type: ignore[return-value]
-
-    @property
-    def parent(self) -> SpanContext:  # a step span always has one
-        return self._parent  # type: ignore[return-value]
-
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         self._attributes.update(attributes)  # type: ignore[union-attr]
 

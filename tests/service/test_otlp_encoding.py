@@ -70,9 +70,9 @@ def test_exporter_sends_our_encoding() -> None:
 
 
 def test_step_spans_written_as_bytes_equal_the_sdk_encoding() -> None:
-    """The spans made every step (``StepSpan``) take the direct wire-bytes path: with links (to local
-    and remote contexts), under a local and a remote parent, with engine attributes set later; one
-    links to a context with trace state (that one is built as a message and keeps its place)."""
+    """The spans made every step with a test's exporter (``StepSpan``) encode as the SDK encodes them:
+    with links (to local and remote contexts), under a local and a remote parent, with engine
+    attributes set later; one links to a context with trace state (built as a message, in its place)."""
     from modeserve.service.tracing import Tracing, forward_attributes
 
     memory = InMemorySpanExporter()
