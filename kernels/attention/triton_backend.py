@@ -51,6 +51,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._bound_table: torch.Tensor = self._dummy_table
         self._meta: _DecodeMeta | _ExtendMeta | None = None
         self._graph_meta: dict[int, _DecodeMeta] = {}  # batch-size bucket -> static buffers
+        # the decode kernel's per-(row, kv head) slice counters, zero between launches: one buffer for
+        # eager steps and graphs, grown outside capture (``_reserve_counters``); a grown-out buffer
+        # stays alive, as graphs captured before keep its address
+        self._counters = torch.zeros(0, dtype=torch.int32, device=self._device)
+        self._old_counters: list[torch.Tensor] = []
+
+    def _reserve_counters(self, rows: int) -> None:
+        need = rows * self.kv_cache.num_kv_heads
+        if self._counters.numel() < need:
+            self._old_counters.append(self._counters)
+            self._counters = torch.zeros(need, dtype=torch.int32, device=self._device)
 
     def _bind_table(self, req_to_token: torch.Tensor) -> None:
         """Point ``table_ref`` at ``req_to_token`` (a copy in stream order; only when it changes)."""
@@ -62,6 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
         if all(e == 1 for e in extend_lens):
+            self._reserve_counters(len(extend_lens))
             self._bind_table(inputs.req_to_token)
             self._meta = _DecodeMeta(inputs.req_pool_indices, inputs.seq_lens)
             return
@@ -78,6 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
         """Static buffers for ``bs`` rows, each one key at row 0 of the dummy table (slot 0)."""
+        self._reserve_counters(bs)
         meta = _DecodeMeta(torch.zeros(bs, dtype=torch.int64, device=self._device),
                            torch.ones(bs, dtype=torch.int64, device=self._device))
         self._graph_meta[bs] = meta
@@ -103,7 +116,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta = self._meta
         if isinstance(meta, _DecodeMeta):
             return decode_attention(q, k_cache, v_cache, self._table_ref, meta.req_pool_indices, meta.seq_lens,
-                                    self.scale, self.sliding_window, self._num_kv_splits)
+                                    self.scale, self.sliding_window, self._num_kv_splits, self._counters)
         if isinstance(meta, _ExtendMeta):
             return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,
                                     meta.prefix_lens, meta.extend_lens, meta.max_extend_len, self.scale,

@@ -57,7 +57,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-_gemv_autotuned = triton.autotune(configs=CONFIGS, key=["N", "K"])(_gemv_kernel)
+# cache_results: the chosen tile is kept in Triton's cache dir beside the binaries (a carried cache skips the autotune)
+_gemv_autotuned = triton.autotune(configs=CONFIGS, key=["N", "K"], cache_results=True)(_gemv_kernel)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

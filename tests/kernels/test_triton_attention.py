@@ -137,10 +137,14 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     q = qkv[:, 4 : 4 + num_heads]  # a strided view, as from a fused projection
     scale = 1 / math.sqrt(head_dim)
     table = req_to_token.to(device)  # the kernel follows the table's address: it must live on the device
-    out = decode_attention(
+    counters = torch.zeros(len(seq) * num_kv_heads + 3, dtype=torch.int32, device=device)
+    outs = [decode_attention(
         q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
         table_ref(table).to(device), torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
-        torch.tensor(seq, device=device), scale, window, num_kv_splits)
+        torch.tensor(seq, device=device), scale, window, num_kv_splits, counters) for _ in range(2)]
+    assert (counters == 0).all()  # the last slice of each (request, kv head) reset its counter
+    assert torch.equal(outs[0], outs[1])  # a reused counter buffer merges again, in the same order
+    out = outs[0]
     group = num_heads // num_kv_heads
     for r, s in enumerate(seq):
         idx = req_to_token[r + 1, :s]
@@ -177,10 +181,21 @@ def test_triton_graph_capture_and_replay_with_padding(page_size: int, window: in
 
 @pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
     (1, 8, 2, 64, None), (3, 8, 2, 64, None), (8, 8, 2, 64, 20), (4, 4, 4, 32, None), (5, 6, 2, 80, 100),
+    (32, 8, 2, 64, None),  # empty slices (1- and 2-key requests)
 ])
 def test_triton_decode_kernel_splits_and_heads(num_kv_splits: int, num_heads: int, num_kv_heads: int,
                                                head_dim: int, window: int | None) -> None:
     check_decode_splits(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-4)
+
+
+def test_decode_counters_must_fit() -> None:
+    q = torch.zeros(2, 4, 16)
+    cache = torch.zeros(3, 2, 16)
+    table = table_ref(torch.zeros(2, 4, dtype=torch.int64))
+    rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):  # needs 2 rows x 2 kv heads
+        with pytest.raises(ValueError, match="counters must be int32 with at least 4"):
+            decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, bad)
 
 
 def test_resolve_triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,7 +243,7 @@ def test_triton_long_extend_over_prefix_gpu(page_size: int, window: int | None) 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
     (None, 32, 8, 128, None), (1, 8, 2, 64, None), (8, 8, 2, 64, 20), (4, 16, 16, 256, None),
-    (5, 6, 2, 80, 100), (16, 32, 4, 128, None),
+    (5, 6, 2, 80, 100), (16, 32, 4, 128, None), (32, 32, 8, 64, None),
 ])
 def test_triton_decode_kernel_splits_and_heads_gpu(num_kv_splits: int | None, num_heads: int, num_kv_heads: int,
                                                    head_dim: int, window: int | None) -> None:
