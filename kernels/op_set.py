@@ -22,14 +22,15 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    argmax: Callable[[torch.Tensor], torch.Tensor]
+    argmax: Callable[..., torch.Tensor]  # (x, into=None, at=None)
+    record_tokens: Callable[..., None]
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
-                      ops.apply_rotary_and_store_kv, ops.argmax)
+                      ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -48,7 +49,8 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     from modeserve.kernels.triton.argmax import argmax
     from modeserve.kernels.triton.gemv import gemv, gemv_is_faster
     from modeserve.kernels.triton.rotary import store_kv
+    from modeserve.kernels.triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     store_kv, triton_ops.apply_rotary_and_store_kv, argmax,
+                     store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,
                      gemv, gemv_is_faster)

@@ -92,6 +92,23 @@ def apply_rotary_and_store_kv(
     return q, k
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x: [S, V] -> [S] int64: the index of each row's first maximum."""
-    return torch.argmax(x, dim=-1)
+def argmax(x: torch.Tensor, into: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [S, V] -> [S] int64: the index of each row's first maximum; with ``into`` and ``at`` ([S]
+    int64 indices into it) the result is also written at ``into[at]``."""
+    out = torch.argmax(x, dim=-1)
+    if into is not None:
+        into[at] = out
+    return out
+
+
+def record_tokens(req_to_token: torch.Tensor, token_ids: torch.Tensor, last_token: torch.Tensor, rows: torch.Tensor,
+                  positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> None:
+    """A step's token bookkeeping, in place. rows/positions/loc/ids: [T] int64; req_to_token and
+    token_ids: [max_reqs, max_context]; last_token: [max_reqs].
+
+    A placeholder id (< 0: the token row ``rows[i]`` samples in the step still running) becomes
+    ``last_token[rows[i]]`` in ``ids``; then ``req_to_token[rows, positions] = loc`` and
+    ``token_ids[rows, positions] = ids``."""
+    ids.copy_(torch.where(ids < 0, last_token[rows], ids))
+    req_to_token[rows, positions] = loc
+    token_ids[rows, positions] = ids

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from modeserve.engine.forward_mode import ForwardMode
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.kernels.graph_timing import graph_replay_seconds
 from modeserve.service.bench_limits import copy_bandwidth, device_name
@@ -68,12 +68,12 @@ def time_backend(name: str, args: argparse.Namespace, bs: int, device: torch.dev
     q = torch.randn(bs, args.num_heads, args.head_dim, dtype=dtype, device=device)
     k = torch.randn(bs, args.num_kv_heads, args.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
-    loc = inputs.out_cache_loc.clone()
-    backend.init_capture(bs, loc)
+    static = GraphInputs(inputs.out_cache_loc, inputs.req_pool_indices, inputs.seq_lens)  # every row real
+    backend.init_capture(bs, static)
     for layer in range(args.layers):  # warm-up outside the graph (JIT, autotuning)
         backend.forward(q, k, v, layer)
     layers = lambda: [backend.forward(q, k, v, layer) for layer in range(args.layers)]  # noqa: E731
-    replay_setup = lambda: backend.init_replay(inputs, bs)  # noqa: E731  (the static buffers the graph reads)
+    replay_setup = lambda: backend.init_replay(inputs, bs)  # noqa: E731  (binds the slot table, plans FlashInfer)
     return graph_replay_seconds(layers, args.repeats, warmup=3, after_capture=replay_setup) / args.layers
 
 

@@ -23,9 +23,8 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: torch.dtyp
     until the copy has run), so the call never waits for the device. On CPU they are wrapped.
     """
     np_dtype = _NUMPY_DTYPES[dtype]
-    if device.type != "cuda":
-        # arrays read from the wire are read-only views: copy those, wrap the rest
-        return [torch.from_numpy(np.array(a, dtype=np_dtype, copy=not a.flags.writeable or None)) for a in arrays]
+    if device.type != "cuda":  # copies: a step may write its inputs in place (placeholder ids resolved)
+        return [torch.from_numpy(np.array(a, dtype=np_dtype)) for a in arrays]
     sizes = [int(a.size) for a in arrays]
     host = torch.empty(max(sum(sizes), 1), dtype=dtype, pin_memory=True)
     view = host.numpy()
@@ -39,6 +38,15 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device, dtype: torch.dtyp
         out.append(dev[offset : offset + n].view(a.shape))
         offset += n
     return out
+
+
+def upload_into(host: np.ndarray, dst: torch.Tensor) -> None:
+    """Copy ``host`` into the contiguous device tensor ``dst`` (same number of elements and dtype)
+    through a pinned buffer, asynchronously (the caching host allocator keeps the buffer until the
+    copy has run)."""
+    pinned = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+    pinned.numpy().reshape(host.shape)[...] = host
+    dst.copy_(pinned, non_blocking=True)
 
 
 class PendingResult(Generic[T]):

@@ -50,6 +50,7 @@ class ModelRunner:
                                ckpt.config.max_position_embeddings)
         self._inputs_consumed: torch.cuda.Event | None = None
         self.last_graph_bucket: int | None = None  # the CUDA-graph bucket the last step replayed (None: eager)
+        self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
         self._init_model(ckpt, progress)
         self._init_memory()
         self._init_attention()
@@ -70,7 +71,8 @@ class ModelRunner:
             mc.num_layers, self.num_kv_slots, mc.num_kv_heads, mc.head_dim, self.cfg.page_size, self.dtype, self.device,
             self.kernel_ops.store_kv,
         )
-        self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device, self.cfg.page_size)
+        self.slots = SlotState(self.cfg.max_running_requests, self.max_context, self.device, self.cfg.page_size,
+                               self.kernel_ops.record_tokens)
         logger.info(
             "KV cache: %d slots (%d pages of %d), %.1f MiB",
             self.num_kv_slots, self.num_kv_slots // self.cfg.page_size, self.cfg.page_size,
@@ -120,18 +122,33 @@ class ModelRunner:
         for upd in batch.slot_updates:
             self.slots.update(upd)
         self.last_graph_bucket = None
+        self._sample_slots = None
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
             if batch.padded_batch_size > 0 and self.graphs is not None:
                 self._replay_padding_only(batch)  # lockstep: the other ranks replay this bucket too
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
+        self.slots.record_pages(np.repeat(batch.req_pool_indices, batch.extend_lens), batch.positions,
+                                batch.out_cache_loc)
+        bucket = None
+        if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
+            bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
+        if bucket is not None:
+            return self._replay(batch, bucket)
         rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         sample_idx_np = (np.cumsum(batch.extend_lens) - 1)[batch.sample_mask]  # [S]
-        self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
-        input_ids = self.slots.record(rows, positions, out_cache_loc, input_ids)
-        inputs = AttentionInputs(
+        self.slots.record(rows, positions, out_cache_loc, input_ids)
+        inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
+        self.attn.init_forward_metadata(inputs)
+        self._mark_inputs_consumed()
+        hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
+        return self.model.compute_logits(hidden[sample_idx])
+
+    def _attention_inputs(self, batch: ForwardBatch, req_pool: torch.Tensor, seq_lens: torch.Tensor,
+                          out_cache_loc: torch.Tensor) -> AttentionInputs:
+        return AttentionInputs(
             forward_mode=batch.forward_mode,
             req_pool_indices=req_pool,
             prefix_lens_cpu=batch.prefix_lens.tolist(),
@@ -143,19 +160,21 @@ class ModelRunner:
             req_pool_indices_cpu=batch.req_pool_indices,
             req_to_page_cpu=self.slots.req_to_page,
         )
-        bucket = None
-        if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
-            bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
-        if bucket is not None:
-            assert self.graphs is not None
-            self.last_graph_bucket = bucket
-            self.graphs.prepare(inputs, input_ids, positions, bucket)
-            self._mark_inputs_consumed()
-            return self.graphs.replay(bucket, batch.batch_size)  # decode: every row samples
-        self.attn.init_forward_metadata(inputs)
+
+    def _replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        """A graph step (one query a row, every row samples): the rows go straight into the graph's
+        static buffer, the tokens are recorded there in place, then the bucket replays."""
+        assert self.graphs is not None
+        self.last_graph_bucket = bucket
+        rows = self.graphs.upload(batch.forward_mode, bucket, [
+            batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
+        self.slots.record(rows.req_pool_indices, rows.positions, rows.out_cache_loc, rows.input_ids)
+        self.attn.init_replay(self._attention_inputs(batch, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc),
+                              bucket)
         self._mark_inputs_consumed()
-        hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
-        return self.model.compute_logits(hidden[sample_idx])
+        if batch.sample_mask.all():
+            self._sample_slots = rows.req_pool_indices
+        return self.graphs.replay(bucket, batch.batch_size)
 
     def _replay_padding_only(self, batch: ForwardBatch) -> None:
         """An IDLE rank in lockstep replays the bucket the others use, with padding rows only."""
@@ -164,13 +183,13 @@ class ModelRunner:
         if bucket is None:
             return
         self.last_graph_bucket = bucket
-        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-        inputs = AttentionInputs(forward_mode=ForwardMode.IDLE, req_pool_indices=empty, prefix_lens_cpu=[],
-                                 extend_lens_cpu=[], seq_lens=empty, out_cache_loc=empty,
-                                 req_to_token=self.slots.req_to_token, dtype=self.dtype,
-                                 req_pool_indices_cpu=np.zeros(0, dtype=np.int64),
-                                 req_to_page_cpu=self.slots.req_to_page)
-        self.graphs.prepare(inputs, empty, empty, bucket)
+        none = np.zeros(0, dtype=np.int64)
+        rows = self.graphs.upload(ForwardMode.IDLE, bucket, [none] * 5)
+        inputs = AttentionInputs(forward_mode=ForwardMode.IDLE, req_pool_indices=rows.req_pool_indices,
+                                 prefix_lens_cpu=[], extend_lens_cpu=[], seq_lens=rows.seq_lens,
+                                 out_cache_loc=rows.out_cache_loc, req_to_token=self.slots.req_to_token,
+                                 dtype=self.dtype, req_pool_indices_cpu=none, req_to_page_cpu=self.slots.req_to_page)
+        self.attn.init_replay(inputs, bucket)
         self.graphs.replay(bucket, 0)
 
     def _mark_inputs_consumed(self) -> None:
@@ -190,10 +209,9 @@ class ModelRunner:
             return PendingResult([], lambda _: ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64)))
         slots = batch.req_pool_indices[batch.sample_mask]
         seq_lens = batch.seq_lens[batch.sample_mask]
-        (slots_dev,) = upload([slots], self.device)
+        slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
         if self.slots.is_plain_greedy(slots):
-            next_ids = self.kernel_ops.argmax(logits)
-            self.slots.last_token[slots_dev] = next_ids
+            next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
         raw = logits

@@ -6,17 +6,23 @@ keeps no scheduling state. Rows are indexed by ``req_pool_idx``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
 from modeserve.engine.forward_batch import ReqAdmission, SlotUpdate
 from modeserve.engine.runner.host_io import upload
 from modeserve.engine.runner.sampler import SamplingTensors
+from modeserve.kernels import ops
 
 
 class SlotState:
-    def __init__(self, max_reqs: int, max_context: int, device: torch.device, page_size: int = 1) -> None:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device, page_size: int = 1,
+                 record_tokens: Callable[..., None] = ops.record_tokens) -> None:
+        """``record_tokens``: the op ``record`` runs (``kernels.ops.record_tokens`` or a kernel of its contract)."""
         self.device = device
+        self._record_tokens = record_tokens
         self.page_size = page_size
         # [max_reqs, max_context]: KV slot and token id at each position of each request
         self.req_to_token = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
@@ -64,13 +70,10 @@ class SlotState:
         """Host mirror of ``record``'s KV slots. rows/positions/loc: [T] int64."""
         self.req_to_page[rows, positions // self.page_size] = loc // self.page_size
 
-    def record(self, rows: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Write this step's KV slots and token ids; returns ids with placeholders (-1) resolved."""
-        # rows/positions/loc/ids: [T]
-        ids = torch.where(ids < 0, self.last_token[rows], ids)
-        self.req_to_token[rows, positions] = loc
-        self.token_ids[rows, positions] = ids
-        return ids
+    def record(self, rows: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, ids: torch.Tensor) -> None:
+        """Write this step's KV slots and token ids; resolves placeholders (-1) in ``ids`` in place.
+        rows/positions/loc/ids: [T] int64 (device)."""
+        self._record_tokens(self.req_to_token, self.token_ids, self.last_token, rows, positions, loc, ids)
 
     def is_plain_greedy(self, slots: np.ndarray) -> bool:
         """Every row greedy, without penalties or logprobs: sampling is one argmax."""

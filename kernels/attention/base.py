@@ -39,6 +39,17 @@ class AttentionInputs:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
 
 
+@dataclass(frozen=True)
+class GraphInputs:
+    """The static device buffers a captured decode graph reads, ``bs`` rows each (int64). The model
+    runner owns them and fills them before every replay, padded rows with request row 0, sequence
+    length 1 and KV slot 0 (reserved); at capture they hold padding only."""
+
+    out_cache_loc: torch.Tensor  # [bs]: where each row's k/v of this step go
+    req_pool_indices: torch.Tensor  # [bs]
+    seq_lens: torch.Tensor  # [bs]
+
+
 class AttentionBackend(abc.ABC):
     """Computes attention for one layer over the paged KV cache.
 
@@ -69,11 +80,12 @@ class AttentionBackend(abc.ABC):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``kv_stored``: k/v are in the cache already."""
 
     # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both:
-    # ``init_capture`` before capturing ``bs`` rows (this step's KV writes go to ``out_cache_loc``, a
-    # static buffer), ``init_replay`` before each replay (plans the real rows, padded to ``bs``).
+    # ``init_capture`` before capturing ``bs`` rows (the graph reads its rows from ``static``),
+    # ``init_replay`` before each replay, once the runner has written the real rows into ``static``
+    # (``inputs``' device tensors are views of it; the backend plans whatever else it needs).
     supports_cuda_graph = False
 
-    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+    def init_capture(self, bs: int, static: GraphInputs) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -97,7 +97,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- CUDA graphs (decode) -----------------------------------------------------------------
     supports_cuda_graph = True
 
-    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+    def init_capture(self, bs: int, static: GraphInputs) -> None:
         """Make the decode wrapper for ``bs`` rows (fixed buffers) and plan a dummy batch: every
         row one token on the reserved page 0."""
         import flashinfer
@@ -112,7 +112,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph_wrappers[bs] = wrapper
         self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32),
                           torch.zeros(bs, dtype=torch.int32, device=dev), torch.ones(bs, dtype=torch.int32))
-        self._wrapper, self._out_cache_loc = wrapper, out_cache_loc
+        self._wrapper, self._out_cache_loc = wrapper, static.out_cache_loc
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
         """Plan the real rows, padded to ``bs`` with one-token rows on page 0."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 
 TRITON_DECODE_MAX_ROWS = 128  # above: FlashInfer (it wins at batch 256 with 1k-token contexts)
@@ -47,9 +47,9 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         self._active = self._for_decode(len(extend_lens)) if decode else self._flashinfer
         self._active.init_forward_metadata(inputs)
 
-    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+    def init_capture(self, bs: int, static: GraphInputs) -> None:
         self._active = self._for_decode(bs)
-        self._active.init_capture(bs, out_cache_loc)
+        self._active.init_capture(bs, static)
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
         self._active = self._for_decode(bs)

@@ -5,9 +5,8 @@ DECODE (every ``extend_len`` 1) runs the split-K decode kernel, EXTEND and MIXED
 at token granularity, so any page size works, and both take their loop bounds from device memory:
 ``init_forward_metadata`` only copies a few [B] host lists to the device, with no sync and no plan.
 
-CUDA graphs (decode): each captured batch size owns static ``req_pool_indices``/``seq_lens``
-buffers that ``init_replay`` fills (padded rows: request row 0, one key, which is a valid slot). The
-slot table is not known at capture (``init_capture`` gets none), so the decode kernel reads its
+CUDA graphs (decode): the graph reads the rows from the runner's static buffers (``GraphInputs``,
+filled before each replay). The slot table is not known at capture, so the decode kernel reads its
 address from a static device buffer (``table_ref``) that points at a dummy one-slot table during
 capture and at the step's ``req_to_token`` after every ``init_forward_metadata``/``init_replay``.
 """
@@ -17,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
 from modeserve.kernels.triton.attention_extend import extend_attention
@@ -50,7 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._table_ref = table_ref(self._dummy_table).to(self._device)  # [2]: address, row stride
         self._bound_table: torch.Tensor = self._dummy_table
         self._meta: _DecodeMeta | _ExtendMeta | None = None
-        self._graph_meta: dict[int, _DecodeMeta] = {}  # batch-size bucket -> static buffers
+        self._graph_rows: dict[int, tuple[_DecodeMeta, torch.Tensor]] = {}  # bucket -> its static rows, KV slots
         # the decode kernel's per-(row, kv head) slice counters, zero between launches: one buffer for
         # eager steps and graphs, grown outside capture (``_reserve_counters``); a grown-out buffer
         # stays alive, as graphs captured before keep its address
@@ -88,24 +87,17 @@ class TritonAttentionBackend(AttentionBackend):
     # ---- CUDA graphs (decode) -----------------------------------------------------------------
     supports_cuda_graph = True
 
-    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
-        """Static buffers for ``bs`` rows, each one key at row 0 of the dummy table (slot 0)."""
+    def init_capture(self, bs: int, static: GraphInputs) -> None:
+        """Decode over ``static``'s rows; during capture, on the dummy table (padding rows read slot 0)."""
         self._reserve_counters(bs)
-        meta = _DecodeMeta(torch.zeros(bs, dtype=torch.int64, device=self._device),
-                           torch.ones(bs, dtype=torch.int64, device=self._device))
-        self._graph_meta[bs] = meta
         self._bind_table(self._dummy_table)
-        self._meta, self._out_cache_loc = meta, out_cache_loc
+        self._graph_rows[bs] = (_DecodeMeta(static.req_pool_indices, static.seq_lens), static.out_cache_loc)
+        self._meta, self._out_cache_loc = self._graph_rows[bs]
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        """Copy the real rows into the bucket's static buffers; padded rows: request row 0, one key."""
-        meta, n = self._graph_meta[bs], len(inputs.extend_lens_cpu)
-        meta.req_pool_indices[:n].copy_(inputs.req_pool_indices, non_blocking=True)
-        meta.seq_lens[:n].copy_(inputs.seq_lens, non_blocking=True)
-        meta.req_pool_indices[n:].zero_()
-        meta.seq_lens[n:].fill_(1)
+        """The rows are in the static buffers already: only the slot table may have changed."""
         self._bind_table(inputs.req_to_token)
-        self._meta = meta
+        self._meta, self._out_cache_loc = self._graph_rows[bs]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

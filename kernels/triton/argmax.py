@@ -40,7 +40,8 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, num_chunks,
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, into_ptr, at_ptr, num_chunks,
+                       BLOCK: tl.constexpr, SCATTER: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
@@ -48,14 +49,22 @@ def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, BLOCK: tl.constexp
     v = tl.load(val_ptr + row * num_chunks + lanes, mask=mask, other=float("-inf"))
     i = tl.load(idx_ptr + row * num_chunks + lanes, mask=mask, other=2147483647)
     m = tl.max(v, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(v == m, i, 2147483647), axis=0).to(tl.int64))
+    best = tl.min(tl.where(v == m, i, 2147483647), axis=0).to(tl.int64)
+    tl.store(out_ptr + row, best)
+    if SCATTER:
+        tl.store(into_ptr + tl.load(at_ptr + row), best)
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x: [S, V] (last dim contiguous) -> [S] int64, the first maximum of each row."""
+def argmax(x: torch.Tensor, into: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [S, V] (last dim contiguous) -> [S] int64, the first maximum of each row; with ``into`` (int64)
+    and ``at`` ([S] int64 indices into it) the result is also written at ``into[at]`` (by the same
+    launch: the engine's "last token of each slot")."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"argmax takes [S, V] with a contiguous last dim, got shape {tuple(x.shape)}")
     rows, vocab = x.shape
+    if into is not None and (at is None or at.shape != (rows,) or at.dtype != torch.int64
+                             or into.dtype != torch.int64 or not into.is_contiguous()):
+        raise ValueError("argmax's into/at must be a contiguous int64 tensor and [S] int64 indices")
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
@@ -64,6 +73,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     _chunk_argmax_kernel[(rows, num_chunks)](x, vals, idxs, vocab, x.stride(0), num_chunks,
                                              CHUNK=CHUNK, BLOCK=1024, num_warps=4, **pdl_args(x.device))
-    _row_argmax_kernel[(rows,)](vals, idxs, out, num_chunks, BLOCK=triton.next_power_of_2(num_chunks), num_warps=1,
+    _row_argmax_kernel[(rows,)](vals, idxs, out, out if into is None else into, out if at is None else at, num_chunks,
+                                BLOCK=triton.next_power_of_2(num_chunks), SCATTER=into is not None, num_warps=1,
                                 **pdl_args(x.device))
     return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from modeserve.engine.forward_mode import ForwardMode
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, create_attention_backend
+from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs, create_attention_backend
 from modeserve.kernels.attention.kv_cache import KVCache
 
 HQ, HKV, D = 8, 2, 64
@@ -141,7 +141,7 @@ class _Recorder(AttentionBackend):
         self.calls.append((self.name, "plan", len(inputs.extend_lens_cpu)))
         self.inner.init_forward_metadata(inputs)
 
-    def init_capture(self, bs: int, out_cache_loc: torch.Tensor) -> None:
+    def init_capture(self, bs: int, static: GraphInputs) -> None:
         self.calls.append((self.name, "capture", bs))
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
@@ -184,7 +184,7 @@ def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
         assert calls[-2:] == [(expected, "plan", len(ext)), (expected, "forward", case["q"].shape[0])]
     loc = torch.zeros(256, dtype=torch.int64)
     for bs in (1, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1, 256):
-        hybrid.init_capture(bs, loc[:bs])
+        hybrid.init_capture(bs, GraphInputs(loc[:bs], loc[:bs], loc[:bs]))
         hybrid.init_replay(None, bs)  # type: ignore[arg-type]  # the recorder does not read it
         name = "triton" if bs <= TRITON_DECODE_MAX_ROWS else "flashinfer"
         assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]

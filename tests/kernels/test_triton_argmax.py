@@ -53,3 +53,25 @@ def test_argmax_of_a_slice_and_refusals() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_argmax_equals_torch_gpu(rows: int, vocab: int, dtype: torch.dtype) -> None:
     check(rows, vocab, dtype, "cuda")
+
+
+@pytest.mark.parametrize("impl", [argmax, ops.argmax], ids=["triton", "torch"])
+def test_argmax_writes_into_slots(impl) -> None:  # noqa: ANN001
+    """``into[at] = result`` in the same call (the engine's last token of each slot); other slots untouched."""
+    x = rows_with_ties(5, 3 * CHUNK + 17, torch.float32, "cpu")
+    last = torch.full((9,), -7, dtype=torch.int64)
+    at = torch.tensor([8, 0, 3, 5, 1])
+    out = impl(x, last, at)
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+    expected = torch.full((9,), -7, dtype=torch.int64)
+    for row, slot in enumerate(at.tolist()):
+        expected[slot] = torch.argmax(x[row]).item()
+    assert torch.equal(last, expected)
+
+
+def test_argmax_refuses_bad_scatter_targets() -> None:
+    x = rows_with_ties(2, 300, torch.float32, "cpu")
+    for into, at in ((torch.zeros(4, dtype=torch.int32), torch.tensor([0, 1])),
+                     (torch.zeros(4, dtype=torch.int64), torch.tensor([0])), (torch.zeros(4, dtype=torch.int64), None)):
+        with pytest.raises(ValueError, match="into/at"):
+            argmax(x, into, at)

@@ -16,6 +16,7 @@ from modeserve.engine import LLM, SamplingParams
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.kernels.attention.base import (
     AttentionInputs,
+    GraphInputs,
     create_attention_backend,
     resolve_backend_name,
 )
@@ -76,6 +77,26 @@ def decode_inputs(case: dict, rows: list[int], device: str, dtype: torch.dtype) 
         out_cache_loc=case["out_loc"][rows], req_to_token=case["req_to_token"], dtype=dtype)
 
 
+def static_rows(bs: int, device: str) -> GraphInputs:
+    """A graph's static rows as the runner makes them: padding only (request row 0, one key, slot 0)."""
+    return GraphInputs(torch.zeros(bs, dtype=torch.int64, device=device), torch.zeros(bs, dtype=torch.int64,
+                       device=device), torch.ones(bs, dtype=torch.int64, device=device))
+
+
+def replay_inputs(case: dict, rows: list[int], static: GraphInputs, dtype: torch.dtype) -> AttentionInputs:
+    """Write a decode case's ``rows`` into the static buffers (the rest padding), as the runner does
+    before a replay; the inputs' device tensors are views of them."""
+    n, real = len(rows), decode_inputs(case, rows, str(static.seq_lens.device), dtype)
+    for buf, values, pad in ((static.out_cache_loc, real.out_cache_loc, 0),
+                             (static.req_pool_indices, real.req_pool_indices, 0), (static.seq_lens, real.seq_lens, 1)):
+        buf.fill_(pad)
+        buf[:n] = values
+    return AttentionInputs(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=static.req_pool_indices[:n],
+        prefix_lens_cpu=real.prefix_lens_cpu, extend_lens_cpu=real.extend_lens_cpu, seq_lens=static.seq_lens[:n],
+        out_cache_loc=static.out_cache_loc[:n], req_to_token=case["req_to_token"], dtype=dtype)
+
+
 # ---- checks shared by the CPU (interpreter) and GPU tests ----
 
 
@@ -96,24 +117,22 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
     backend = create_attention_backend("triton", torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
     bs = 8
-    static_loc = torch.zeros(bs, dtype=torch.int64, device=device)  # padded rows write the reserved slot 0
+    static = static_rows(bs, device)
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)
-    backend.init_capture(bs, static_loc)
+    backend.init_capture(bs, static)
     assert torch.isfinite(backend.forward(static_q, static_k, static_v, 0)).all()  # warm-up: dummy table
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [3, 1, 4]):
         n = len(rows)
-        inputs = decode_inputs(case, rows, device, dtype)
+        inputs = replay_inputs(case, rows, static, dtype)
         for buf, real in ((static_q, case["q"]), (static_k, case["k"]), (static_v, case["v"])):
             buf.zero_()
             buf[:n] = real[rows]
-        static_loc.zero_()
-        static_loc[:n] = inputs.out_cache_loc
         backend.init_replay(inputs, bs)
-        inputs.seq_lens.zero_()  # the graph must have copied the rows into its own buffers
-        inputs.req_pool_indices.fill_(2)
+        backend.init_forward_metadata(decode_inputs(case, [0], device, dtype))  # another step between
+        backend.init_replay(inputs, bs)
         out = backend.forward(static_q, static_k, static_v, 0)
         assert torch.isfinite(out).all()
         assert (out[:n].double() - dense[rows]).abs().max() < tol
@@ -267,11 +286,11 @@ def test_triton_cuda_graph_replay_gpu(page_size: int, window: int | None) -> Non
     backend = create_attention_backend("triton", torch.device(device), dtype,
                                        kv_cache=make_cache(case, page_size, device, dtype), num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
-    static_loc = torch.zeros(bs, dtype=torch.int64, device=device)
+    static = static_rows(bs, device)
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)
-    backend.init_capture(bs, static_loc)
+    backend.init_capture(bs, static)
     for _ in range(2):  # warm-up (compilation) outside the graph, as the runner does
         backend.forward(static_q, static_k, static_v, 0)
     torch.cuda.synchronize()
@@ -281,12 +300,10 @@ def test_triton_cuda_graph_replay_gpu(page_size: int, window: int | None) -> Non
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [4, 0], [2]):
         n = len(rows)
-        inputs = decode_inputs(case, rows, device, dtype)
+        inputs = replay_inputs(case, rows, static, dtype)
         for buf, real in ((static_q, case["q"]), (static_k, case["k"]), (static_v, case["v"])):
             buf.zero_()
             buf[:n] = real[rows]
-        static_loc.zero_()
-        static_loc[:n] = inputs.out_cache_loc
         backend.init_replay(inputs, bs)
         graph.replay()
         assert torch.isfinite(static_out).all()
