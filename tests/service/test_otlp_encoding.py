@@ -4,14 +4,19 @@ attribute type, events, links with attributes, statuses, dropped counts."""
 
 from __future__ import annotations
 
+from concurrent import futures
 from typing import Any
 
+import grpc
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from modeserve.service.otlp_encoding import FastOTLPSpanExporter, encode_spans
@@ -61,12 +66,37 @@ def test_same_request_as_the_sdk_encoder() -> None:
 
 
 def test_exporter_sends_our_encoding() -> None:
+    """The exporter's request reaches a real gRPC collector (sent as bytes) equal to the SDK's encoding."""
     spans = _spans()
-    exporter = FastOTLPSpanExporter(endpoint="http://127.0.0.1:1", insecure=True)
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    exporter = FastOTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}", insecure=True)
     try:
-        assert exporter._translate_data(spans) == sdk_encode_spans(spans)
+        assert exporter.export(spans) == SpanExportResult.SUCCESS
+        assert exporter.export(spans[:3]) == SpanExportResult.SUCCESS  # resource and scope blocks kept
     finally:
         exporter.shutdown()
+        server.stop(0)
+    assert received == [sdk_encode_spans(spans), sdk_encode_spans(spans[:3])]
+
+
+def test_empty_resource_and_no_scope_as_the_sdk_encodes_them() -> None:
+    """A resource without attributes or schema and a span without a scope still write their blocks."""
+    context = SpanContext(0x1, 0x2, is_remote=False, trace_flags=TraceFlags(1))
+    resource = Resource({})  # one object: spans are grouped by the identity of their resource
+    spans = [ReadableSpan("bare", context, resource=resource, start_time=1, end_time=2),
+             ReadableSpan("scoped", context, resource=resource, start_time=1, end_time=2,
+                          instrumentation_scope=InstrumentationScope("s", schema_url="https://schema/3"))]
+    assert encode_spans(spans) == sdk_encode_spans(spans)
 
 
 def test_step_spans_written_as_bytes_equal_the_sdk_encoding() -> None:
@@ -112,7 +142,6 @@ def test_step_records_equal_the_sdk_encoding_of_the_same_spans() -> None:
     encodes the equivalent ``ReadableSpan``s; one under a parent with trace state goes through the
     message path and keeps its place."""
     from modeserve.service.step_record import StepBatcher, StepRecord
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     batcher = StepBatcher(InMemorySpanExporter(), Resource({"service.name": "e"}), InstrumentationScope("modeserve"),
                           schedule_delay_millis=60_000, max_export_batch_size=100, max_queue_size=100)
@@ -130,4 +159,43 @@ def test_step_records_equal_the_sdk_encoding_of_the_same_spans() -> None:
     for _ in range(2):
         assert encode_spans(records, shapes) == sdk_encode_spans([r.readable() for r in records])
     assert records[2].context.trace_state == stated.trace_state  # a child carries its parent's trace state
+    batcher.shutdown()
+
+
+def test_a_batch_of_step_records_and_sdk_spans_equals_the_sdk_encoding() -> None:
+    """What the encoder keeps from one record to the next (the parent's ids, the shape) is right in a
+    long batch: steps under one parent with the same attributes, then other attributes, another
+    parent and back, a remote parent, links (one with trace state), a parent with trace state; SDK
+    spans of another resource in between (their own group, the records' order kept)."""
+    from modeserve.service.step_record import StepBatcher, StepRecord
+
+    batcher = StepBatcher(InMemorySpanExporter(), Resource({"service.name": "e"}), InstrumentationScope("modeserve"),
+                          schedule_delay_millis=60_000, max_export_batch_size=1000, max_queue_size=1000)
+    a = SpanContext(0xA1, 0xA2, is_remote=False, trace_flags=TraceFlags(1))
+    b = SpanContext(0xB1, 0xB2, is_remote=True, trace_flags=TraceFlags(1))
+    a_again = SpanContext(0xA1, 0xA2, is_remote=False, trace_flags=TraceFlags(1))  # equal to a, another object
+    stated = SpanContext(0xC1, 0xC2, is_remote=False, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
+    stated_link = SpanContext(0xD1, 0xD2, is_remote=True, trace_flags=TraceFlags(1),
+                              trace_state=TraceState([("x", "y")]))
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "router"}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("router")
+    plan = ([(a, (), 8)] * 3 + [(a, (), 7), (a, (), 8), (b, (), 8), (b, (a,), 8), (a, (), 8), (a_again, (), 8),
+            (stated, (), 8), (stated, (), 8), (a, (stated_link,), 8), (a, (b, a), 8), (a, (), 8), (b, (), 8)])
+    spans: list[Any] = []
+    for i, (parent, links, batch_size) in enumerate(plan):
+        r = StepRecord(batcher, "modeserve.forward", parent.trace_id, 1000 + i, TraceFlags(1), parent, SpanKind.CLIENT,
+                       links, {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": batch_size})
+        r.set_attributes({"modeserve.cuda_graph": batch_size == 8})
+        r.end()
+        spans.append(r)
+        if i % 5 == 2:
+            tracer.start_span(f"request {i}", kind=SpanKind.SERVER).end()
+            spans.append(memory.get_finished_spans()[-1])
+    assert len(spans) > len(plan)
+    shapes: dict = {}
+    readable = [s.readable() if isinstance(s, StepRecord) else s for s in spans]
+    for _ in range(2):
+        assert encode_spans(spans, shapes) == sdk_encode_spans(readable)
     batcher.shutdown()
