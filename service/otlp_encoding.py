@@ -100,25 +100,33 @@ def encode_request(spans: Sequence[ReadableSpan], shapes: dict[tuple[Any, ...], 
     blocks = {} if blocks is None else blocks
     groups: dict[tuple[int, int], list[bytes]] = {}  # (resource, scope) -> the bytes of its spans
     resources: dict[int, tuple[Any, list[tuple[Any, list[bytes]]]]] = {}  # resource -> it, its scopes
-    resource = scope = parts = None
-    # what the last step record's parent and shape gave (consecutive steps of a decode share them)
+
+    def group(resource: Any, scope: Any) -> list[bytes]:
+        parts = groups.get((id(resource), id(scope)))
+        if parts is None:
+            parts = groups[id(resource), id(scope)] = []
+            resources.setdefault(id(resource), (resource, []))[1].append((scope, parts))
+        return parts
+
+    resource = scope = batcher = None  # the last span's resource and scope, the last record's batcher
+    span_parts = parts = []  # their groups' bytes
+    # what the last record's parent and shape gave (consecutive steps of a decode share them)
     parent = name = kind = attributes = ids = None
-    trace_id, flags, shape, head = -1, 0, b"", b""
+    flags, shape, head = 0, b"", b""
     for span in spans:
-        if span.resource is not resource or span.instrumentation_scope is not scope:
-            resource, scope = span.resource, span.instrumentation_scope
-            parts = groups.get((id(resource), id(scope)))
-            if parts is None:
-                parts = groups[id(resource), id(scope)] = []
-                resources.setdefault(id(resource), (resource, []))[1].append((scope, parts))
-        assert parts is not None
         if type(span) is not StepRecord:
+            if span.resource is not resource or span.instrumentation_scope is not scope:
+                resource, scope = span.resource, span.instrumentation_scope
+                span_parts = group(resource, scope)
             encoded = _span_bytes(span, shapes)
-            parts += (_SPANS_TAG, _varint(len(encoded)), encoded)
+            span_parts += (_SPANS_TAG, _varint(len(encoded)), encoded)
             continue
         record: StepRecord = span  # type: ignore[assignment]
-        if record.parent is not parent or record.trace_id != trace_id:
-            parent, trace_id, name = record.parent, record.trace_id, None
+        if record.batcher is not batcher:  # (a batcher's records share its resource and scope)
+            batcher = record.batcher
+            parts = group(batcher.resource, batcher.scope)
+        if record.parent is not parent:
+            parent, name = record.parent, None
             ids = _record_ids(record)
             flags = _REMOTE if parent.is_remote else _LOCAL
         if ids is None or (record.links and any(link.trace_state for link in record.links)):

@@ -23,25 +23,43 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 
+from modeserve.service.tracing import RANDOM_TRACE_ID, SAMPLED_FLAGS
+
 logger = logging.getLogger(__name__)
 
 
 class StepRecord:
-    """One step's span: ``context``, ``set_attributes`` and ``end`` as a span has them. One thread
-    at a time touches it (attributes are set before the step's result comes back, ``end`` after)."""
+    """One sampled step's span, a child of ``parent``: ``context``, ``set_attributes`` and ``end`` as a
+    span has them. Made with what changes from step to step (its trace id, flags and trace state follow
+    from its parent's, its resource and scope are its batcher's). One thread at a time touches it
+    (attributes are set before the step's result comes back, ``end`` after)."""
 
-    __slots__ = ("name", "kind", "trace_id", "span_id", "flags", "parent", "links", "attributes",
-                 "start_time", "end_time", "resource", "instrumentation_scope", "_batcher", "_context")
+    __slots__ = ("_context", "attributes", "batcher", "end_time", "kind", "links", "name", "parent", "span_id",
+                 "start_time")
 
-    def __init__(self, batcher: StepBatcher, name: str, trace_id: int, span_id: int, flags: TraceFlags,
-                 parent: SpanContext, kind: SpanKind, links: tuple[SpanContext, ...],
-                 attributes: dict[str, Any]) -> None:
-        self.name, self.kind, self.trace_id, self.span_id, self.flags = name, kind, trace_id, span_id, flags
-        self.parent, self.links, self.attributes = parent, links, attributes
+    def __init__(self, batcher: StepBatcher, name: str, span_id: int, parent: SpanContext, kind: SpanKind,
+                 links: tuple[SpanContext, ...], attributes: dict[str, Any]) -> None:
+        self.batcher, self.name, self.span_id, self.parent, self.kind = batcher, name, span_id, parent, kind
+        self.links, self.attributes = links, attributes
         self.start_time, self.end_time = time.time_ns(), 0
-        self.resource, self.instrumentation_scope = batcher.resource, batcher.scope
-        self._batcher = batcher
         self._context: SpanContext | None = None
+
+    @property
+    def trace_id(self) -> int:
+        return self.parent.trace_id
+
+    @property
+    def flags(self) -> TraceFlags:
+        """Sampled, and W3C's random-trace-id flag as the parent has it."""
+        return SAMPLED_FLAGS[self.parent.trace_flags & RANDOM_TRACE_ID]
+
+    @property
+    def resource(self) -> Resource:
+        return self.batcher.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self.batcher.scope
 
     @property
     def context(self) -> SpanContext:
@@ -59,7 +77,7 @@ class StepRecord:
     def end(self) -> None:
         """Once."""
         self.end_time = time.time_ns()
-        self._batcher.add(self)
+        self.batcher.add(self)
 
     def readable(self) -> ReadableSpan:
         """The same span as an SDK ``ReadableSpan``."""
@@ -82,6 +100,7 @@ class StepBatcher:
         self._delay = schedule_delay_millis / 1000
         self._batch = max_export_batch_size
         self._queue: collections.deque[StepRecord] = collections.deque(maxlen=max_queue_size)
+        self._almost_full = min(max_export_batch_size, max_queue_size) - 1  # a record more fills a batch or the queue
         self._wake = threading.Event()
         self._export_lock = threading.Lock()
         self._stopped = False
@@ -91,7 +110,10 @@ class StepBatcher:
 
     def add(self, record: StepRecord) -> None:
         queue = self._queue
-        if len(queue) == queue.maxlen:
+        if len(queue) < self._almost_full:  # the usual case: one check
+            queue.append(record)
+            return
+        if len(queue) == queue.maxlen:  # the oldest is dropped
             self.dropped += 1
         queue.append(record)
         if len(queue) >= self._batch and not self._wake.is_set():

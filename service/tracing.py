@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags, Tracer
+from opentelemetry.trace import (INVALID_SPAN_CONTEXT, Link, NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags,
+                                 Tracer)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 if TYPE_CHECKING:
@@ -38,8 +40,9 @@ if TYPE_CHECKING:
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-_RANDOM_TRACE_ID = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))  # W3C level 2 flag, inherited by children
-_SAMPLED_FLAGS = {0: TraceFlags(TraceFlags.SAMPLED), _RANDOM_TRACE_ID: TraceFlags(TraceFlags.SAMPLED | _RANDOM_TRACE_ID)}
+RANDOM_TRACE_ID = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))  # W3C level 2 flag, inherited by children
+SAMPLED_FLAGS = {0: TraceFlags(TraceFlags.SAMPLED), RANDOM_TRACE_ID: TraceFlags(TraceFlags.SAMPLED | RANDOM_TRACE_ID)}
+_getrandbits = random.getrandbits  # what RandomIdGenerator calls (the random module's shared generator)
 
 
 def sampler_from_env(env: Mapping[str, str]) -> Sampler:
@@ -95,6 +98,7 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         from modeserve.service.step_span import StepSpan
@@ -124,14 +128,17 @@ class Tracing:
             otlp = lambda: FastOTLPSpanExporter(endpoint=endpoint, insecure=insecure)  # noqa: E731
             processor = BatchSpanProcessor(exporter or otlp(), **settings)
             self._steps = StepBatcher(exporter or otlp(), provider.resource, scope, **settings)
-            self._new_record = functools.partial(StepRecord, self._steps)
+            self._new_record = StepRecord
         provider.add_span_processor(processor)
         self._provider = provider
         self.tracer = provider.get_tracer("modeserve")
         # what step spans take from the provider
         self._sampler, self._ids = provider.sampler, provider.id_generator
+        self._random_ids = type(provider.id_generator) is RandomIdGenerator  # its ids drawn here, without a call
         self._new_step_span = functools.partial(StepSpan, processor, provider.resource, scope)
-        self._last_sampling: tuple[SpanContext | None, bool, Any, Any] = (None, False, None, None)
+        # the last parent span, its context, whether sampled, the flags, the sampling result
+        self._last_sampling: tuple[Span | None, SpanContext, bool, Any, Any] = (None, INVALID_SPAN_CONTEXT, False, None,
+                                                                               None)
 
     def start_span(self, name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
                    links: Sequence[Link] = (), attributes: Mapping[str, Any] | None = None) -> Span:
@@ -143,20 +150,24 @@ class Tracing:
         None unless the provider's sampler samples it. The samplers ``OTEL_TRACES_SAMPLER`` names
         decide by the parent and the trace id alone (and add no attributes), so consecutive steps in
         one request's trace ask once."""
-        parent_ctx = parent.get_span_context()
-        # one tuple (loops of several ranks may share this): the parent, whether sampled, the flags, the result
-        last_parent, sampled, flags, result = self._last_sampling
-        if last_parent is not parent_ctx and last_parent != parent_ctx:
-            result = self._sampler.should_sample(trace.set_span_in_context(parent), parent_ctx.trace_id, name, kind,
-                                                 attributes, [Link(ctx) for ctx in links])
-            sampled, flags = result.decision.is_sampled(), _SAMPLED_FLAGS[parent_ctx.trace_flags & _RANDOM_TRACE_ID]
-            self._last_sampling = (parent_ctx, sampled, flags, result)
+        # one tuple (loops of several ranks may share this); a span's context never changes
+        last_parent, parent_ctx, sampled, flags, result = self._last_sampling
+        if parent is not last_parent:
+            last_ctx, parent_ctx = parent_ctx, parent.get_span_context()
+            if parent_ctx is not last_ctx and parent_ctx != last_ctx:
+                result = self._sampler.should_sample(trace.set_span_in_context(parent), parent_ctx.trace_id, name,
+                                                     kind, attributes, [Link(ctx) for ctx in links])
+                sampled, flags = result.decision.is_sampled(), SAMPLED_FLAGS[parent_ctx.trace_flags & RANDOM_TRACE_ID]
+            self._last_sampling = (parent, parent_ctx, sampled, flags, result)
         if not sampled:
             return None
+        span_id = _getrandbits(64) if self._random_ids else 0  # as RandomIdGenerator draws them
+        if not span_id:  # another generator's turn (or zero, not a valid id)
+            span_id = self._ids.generate_span_id()
         if self._steps is not None:
-            return self._new_record(name, parent_ctx.trace_id, self._ids.generate_span_id(), flags, parent_ctx, kind,
-                                    tuple(links), attributes)
-        context = SpanContext(parent_ctx.trace_id, self._ids.generate_span_id(), False, flags, result.trace_state)
+            return self._new_record(self._steps, name, span_id, parent_ctx, kind, tuple(links) if links else (),
+                                    attributes)
+        context = SpanContext(parent_ctx.trace_id, span_id, False, flags, result.trace_state)
         return self._new_step_span(name, context, parent_ctx, kind, [Link(ctx) for ctx in links] if links else (),
                                    attributes)
 

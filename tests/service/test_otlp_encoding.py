@@ -150,7 +150,7 @@ def test_step_records_equal_the_sdk_encoding_of_the_same_spans() -> None:
     stated = SpanContext(0xAB, 0x12, is_remote=True, trace_flags=TraceFlags(1), trace_state=TraceState([("k", "v")]))
     records = []
     for i, (parent, links) in enumerate([(local, ()), (remote, (local,)), (stated, ()), (local, (remote, local))]):
-        r = StepRecord(batcher, "modeserve.forward", parent.trace_id, 100 + i, TraceFlags(1), parent, SpanKind.CLIENT,
+        r = StepRecord(batcher, "modeserve.forward", 100 + i, parent, SpanKind.CLIENT,
                        links, {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": i})
         r.set_attributes({"modeserve.cuda_graph": bool(i % 2)})
         r.end()
@@ -185,7 +185,7 @@ def test_a_batch_of_step_records_and_sdk_spans_equals_the_sdk_encoding() -> None
             (stated, (), 8), (stated, (), 8), (a, (stated_link,), 8), (a, (b, a), 8), (a, (), 8), (b, (), 8)])
     spans: list[Any] = []
     for i, (parent, links, batch_size) in enumerate(plan):
-        r = StepRecord(batcher, "modeserve.forward", parent.trace_id, 1000 + i, TraceFlags(1), parent, SpanKind.CLIENT,
+        r = StepRecord(batcher, "modeserve.forward", 1000 + i, parent, SpanKind.CLIENT,
                        links, {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": batch_size})
         r.set_attributes({"modeserve.cuda_graph": batch_size == 8})
         r.end()

@@ -11,7 +11,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from modeserve.service.step_record import StepBatcher, StepRecord
 from modeserve.service.tracing import Tracing
@@ -46,7 +46,7 @@ def batcher(exporter: Collect, delay_ms: int = 60_000, batch: int = 4, queue: in
 def end_records(b: StepBatcher, n: int, first_id: int = 1) -> list[StepRecord]:
     out = []
     for i in range(n):
-        r = StepRecord(b, "modeserve.forward", PARENT.trace_id, first_id + i, TraceFlags(1), PARENT, SpanKind.CLIENT,
+        r = StepRecord(b, "modeserve.forward", first_id + i, PARENT, SpanKind.CLIENT,
                        (), {"modeserve.batch_size": i})
         r.end()
         out.append(r)
@@ -104,3 +104,57 @@ def test_tracing_with_an_endpoint_makes_step_records() -> None:
     readable = step.readable()
     assert readable.context == ctx and [link.context for link in readable.links] == [PARENT]
     tracing.shutdown()  # nothing ended: nothing is sent to the (absent) collector
+
+
+def test_step_record_context_as_the_sdk_makes_a_childs() -> None:
+    """A record's context is what the SDK gives a child of the same parent: its trace id, sampled
+    flags with the parent's random-trace-id flag, the parent's trace state, a fresh span id drawn as
+    the SDK's RandomIdGenerator draws it; remote and local parents alike."""
+    import random
+
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.trace import TraceState
+
+    tracing = Tracing("engine", 0, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                                        "OTEL_BSP_SCHEDULE_DELAY": "60000"})
+    random_flag = int(getattr(TraceFlags, "RANDOM_TRACE_ID", 0))
+    parents = [NonRecordingSpan(SpanContext(0xA, 0xB, is_remote=True, trace_flags=TraceFlags(1 | random_flag))),
+               NonRecordingSpan(SpanContext(0xA, 0xB, is_remote=True, trace_flags=TraceFlags(1),
+                                            trace_state=TraceState([("k", "v")]))),
+               tracing.start_span("request", kind=SpanKind.SERVER)]
+    for parent in parents:
+        random.seed(7)
+        sdk = tracing.tracer.start_span("sdk child", trace.set_span_in_context(parent)).get_span_context()
+        random.seed(7)
+        step = tracing.start_step_span("modeserve.forward", parent, SpanKind.CLIENT, (), {})
+        assert isinstance(step, StepRecord)
+        ctx = step.get_span_context()
+        assert (ctx.trace_id, ctx.trace_flags, ctx.trace_state, ctx.is_remote) == (
+            sdk.trace_id, sdk.trace_flags, sdk.trace_state, sdk.is_remote)
+        random.seed(7)
+        assert ctx.span_id == RandomIdGenerator().generate_span_id()
+        assert step.readable().context == ctx and step.readable().parent == parent.get_span_context()
+    tracing.shutdown()
+
+
+def test_step_records_take_span_ids_from_another_id_generator(monkeypatch: Any) -> None:
+    """A provider whose id generator is not the SDK's random one is asked for each span id."""
+    from opentelemetry.sdk import trace as sdk_trace
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class Counting(RandomIdGenerator):
+        next_id = 100
+
+        def generate_span_id(self) -> int:
+            Counting.next_id += 1
+            return Counting.next_id
+
+    monkeypatch.setattr(sdk_trace, "RandomIdGenerator", Counting)  # the provider's default generator
+    tracing = Tracing("engine", 0, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+                                        "OTEL_BSP_SCHEDULE_DELAY": "60000"})
+    assert type(tracing._provider.id_generator) is Counting  # type: ignore[attr-defined]
+    spans = [tracing.start_step_span("modeserve.forward", NonRecordingSpan(PARENT), SpanKind.CLIENT, (), {})
+             for _ in range(3)]
+    assert [s.context.span_id for s in spans if s is not None] == [101, 102, 103]
+    tracing.shutdown()
