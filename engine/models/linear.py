@@ -11,7 +11,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-Gemv = Callable[..., torch.Tensor]  # (x, weight, bias, silu_mul=False), as kernels.triton.gemv.gemv
+Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # (weight, bias) -> (use the GEMV kernel, its µs, cuBLAS µs)
 GemvTimer = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[bool, float, float]]
 
@@ -23,13 +23,6 @@ class Linear(nn.Linear):
         if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
             return self.gemv(x, self.weight, self.bias)
         return super().forward(x)
-
-    def forward_silu_mul(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``self(silu_and_mul(x))``; a one-row x through the GEMV kernel applies SiLU-and-mul as the
-        kernel reads it (no separate launch)."""
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self.gemv(x, self.weight, self.bias, silu_mul=True)
-        return self(silu_and_mul(x))
 
 
 def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer) -> dict[str, dict[str, float | bool]]:

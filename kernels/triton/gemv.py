@@ -26,19 +26,8 @@ CONFIGS = [
 
 
 @triton.jit
-def _load_x(x_ptr, cols, mask, K, SILU_MUL: tl.constexpr):
-    """x[cols] in fp32; with ``SILU_MUL`` x_ptr holds [gate | up] (2K) and x = silu(gate) * up, rounded to
-    x's dtype as ``silu_and_mul`` stores it (so fused and unfused steps compute the same numbers)."""
-    if SILU_MUL:
-        gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-        return (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -49,16 +38,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.const
     col_mask = cols < K
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     pdl_wait(USE_PDL)
-    x = _load_x(x_ptr, cols, col_mask, K, SILU_MUL)
+    x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
     # products accumulate per element and reduce across the tile once, after the loop (a reduction
     # per tile costs shuffles and a barrier for every BLOCK_K columns)
-    acc2d = w.to(tl.float32) * x[None, :]
+    acc2d = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k in tl.range(BLOCK_K, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        x = _load_x(x_ptr, cols, col_mask, K, SILU_MUL)
-        acc2d += w.to(tl.float32) * x[None, :]
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+        acc2d += w.to(tl.float32) * x.to(tl.float32)[None, :]
     acc = tl.sum(acc2d, axis=1)
     # the next kernel may launch now, during this one's tail (not at the start: then every GEMV of a
     # chain becomes resident at once and loads its first tile early, which measured slower)
@@ -73,16 +62,12 @@ _gemv_autotuned = triton.autotune(configs=CONFIGS, key=["N", "K"], cache_results
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int] | None = None, silu_mul: bool = False) -> torch.Tensor:
+         config: tuple[int, int] | None = None) -> torch.Tensor:
     """x: [1, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [1, N] in x's dtype.
 
-    ``silu_mul``: x is [1, 2K] = [gate | up] and the product is with ``silu_and_mul(x)``, computed while
-    x is read (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K) instead of the autotuned tile
-    (Triton's CPU interpreter cannot time)."""
-    k_in = weight.shape[1] * (2 if silu_mul else 1) if weight.dim() == 2 else -1
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != k_in:
-        raise ValueError(f"gemv takes x [1, {'2K' if silu_mul else 'K'}] and weight [N, K], "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    ``config``: (BLOCK_N, BLOCK_K) instead of the autotuned tile (Triton's CPU interpreter cannot time)."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous")
     n, k = weight.shape
@@ -93,12 +78,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if config is not None:
         block_n, block_k = config
         _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                                                 SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl,
-                                                 launch_pdl=pdl)
+                                                 BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl)
         return y
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_autotuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-                          USE_PDL=pdl, launch_pdl=pdl)
+    _gemv_autotuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl,
+                          launch_pdl=pdl)
     return y
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from modeserve.engine.models.linear import Linear, choose_gemv
-from modeserve.kernels import ops
-from modeserve.kernels.triton.activation import silu_and_mul
 from modeserve.kernels.triton.gemv import gemv
 from torch import nn
 
@@ -26,16 +24,6 @@ def test_gemv_equals_linear(n: int, k: int, config: tuple[int, int], bias: bool)
     w, b = weights(n, k, bias, torch.float32, "cpu")
     x = torch.randn(1, k)
     torch.testing.assert_close(gemv(x, w, b, config=config), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("n,k,config", [(40, 96, (8, 32)), (33, 100, (16, 64))])
-def test_gemv_with_silu_mul_equals_linear_of_silu_and_mul(n: int, k: int, config: tuple[int, int]) -> None:
-    w, b = weights(n, k, True, torch.float32, "cpu")
-    gate_up = torch.randn(1, 2 * k) * 3
-    ref = torch.nn.functional.linear(ops.silu_and_mul(gate_up), w, b)
-    torch.testing.assert_close(gemv(gate_up, w, b, config=config, silu_mul=True), ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"x \[1, 2K\]"):
-        gemv(gate_up[:, :k], w, b, config=config, silu_mul=True)
 
 
 def test_gemv_refuses_what_it_cannot_do() -> None:
@@ -81,22 +69,6 @@ def test_choose_gemv_follows_the_timings_and_only_for_one_row() -> None:
     assert calls == [(8, 16)]
 
 
-def test_linear_fuses_silu_mul_only_into_its_gemv() -> None:
-    lin, calls = Linear(16, 8, bias=False), []
-
-    def fake_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
-        calls.append((tuple(x.shape), silu_mul))
-        return torch.nn.functional.linear(ops.silu_and_mul(x) if silu_mul else x, w, b)
-
-    gate_up = torch.randn(3, 32)
-    ref = torch.nn.functional.linear(ops.silu_and_mul(gate_up), lin.weight)
-    torch.testing.assert_close(lin.forward_silu_mul(gate_up[:1], ops.silu_and_mul), ref[:1])  # no GEMV chosen
-    lin.gemv = fake_gemv
-    torch.testing.assert_close(lin.forward_silu_mul(gate_up[:1], ops.silu_and_mul), ref[:1])
-    torch.testing.assert_close(lin.forward_silu_mul(gate_up, ops.silu_and_mul), ref)  # several rows: cuBLAS
-    assert calls == [((1, 32), True)]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (1000, 333)])
@@ -107,12 +79,3 @@ def test_gemv_equals_linear_gpu(n: int, k: int, bias: bool, dtype: torch.dtype) 
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(gemv(x, w, b).float(), ref, rtol=tol, atol=tol * k ** 0.5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(2048, 8192), (4096, 14336), (1000, 333)])
-def test_gemv_with_silu_mul_is_the_unfused_pair_gpu(n: int, k: int) -> None:
-    """Bit for bit what ``silu_and_mul`` (bf16 out) then the GEMV compute, in one kernel."""
-    w, _ = weights(n, k, False, torch.bfloat16, "cuda")
-    gate_up = (torch.randn(1, 2 * k, device="cuda") * 3).to(torch.bfloat16)
-    assert torch.equal(gemv(gate_up, w, silu_mul=True), gemv(silu_and_mul(gate_up), w))
