@@ -148,8 +148,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] -> [S, V] float32
-        return self.lm_head(hidden).float()
+        # hidden: [S, hidden] -> [S, V] in the model's dtype (argmax needs no fp32 copy; sampling converts)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the already-allocated parameters."""

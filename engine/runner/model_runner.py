@@ -110,7 +110,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model on ``batch``; logits [S, V] (float32) of the rows that sample."""
+        """Run the model on ``batch``; logits [S, V] (the model's dtype) of the rows that sample."""
         batch.forward_mode.require_supported()
         if self._inputs_consumed is not None:
             # the previous step's host buffers (attention plans reuse theirs) must have reached the
@@ -214,6 +214,7 @@ class ModelRunner:
             next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
+        logits = logits.float()  # sampling and log-probabilities in fp32 (greedy needs no conversion)
         raw = logits
         if st.any_penalties:
             seq_t = st.positions
