@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "graph_stats": runner.graphs.stats() if runner.graphs else None,
         "one_row_linear": runner.gemv_report,  # per weight shape: GEMV kernel vs cuBLAS at batch 1, µs
     }
+    if device.type == "cuda" and bs > 1:
+        from modeserve.service.bench_linear import linear_report
+
+        out["linear_at_batch"] = linear_report(runner.model, bs, roof.bandwidth, roof.flops)
     if profile is not None:
         out["decode_profile"] = profile
     if args.baseline == "transformers":

@@ -31,3 +31,21 @@ def test_llama_8b_roofline_by_hand() -> None:
     n = 4096
     by_hand = 2 * 32 * per_layer * n + 2 * 2 * 32 * 32 * 128 * n * (n + 1) / 2 + 2 * v * h
     assert roof.prefill_flops([n]) == pytest.approx(by_hand, rel=1e-4)
+
+
+@pytest.mark.gpu
+def test_linear_report_gpu() -> None:
+    """Every distinct weight shape once, with how often a step calls it; no layer beats its bound."""
+    from torch import nn
+
+    from modeserve.service.bench_limits import copy_bandwidth, matmul_rate
+    from modeserve.service.bench_linear import linear_report
+
+    dev = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False),
+                          nn.Linear(4096, 14336, bias=False)).to(dev, torch.bfloat16)
+    report = linear_report(model, 256, copy_bandwidth(dev), matmul_rate(dev))
+    assert sorted(report) == ["14336x4096", "4096x4096"]
+    assert report["4096x4096"]["calls_per_step"] == 2 and report["14336x4096"]["calls_per_step"] == 1
+    for row in report.values():
+        assert 0 < row["bound_us"] and 0 < row["ratio"] <= 1.15, row  # reads may beat the copy rate a little
