@@ -28,3 +28,13 @@ def graph_replay_seconds(body: Callable[[], object], replays: int, warmup: int =
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / replays
+
+
+def cold_weight_seconds(call: Callable[[torch.Tensor], object], weight: torch.Tensor, repeats: int) -> float:
+    """Seconds per ``call(w)`` in a graph of ``repeats`` calls that cycle through copies of ``weight``
+    larger than the L2 cache together (as in a model, where each layer's weights come from HBM).
+    ``call`` has run once outside (JIT, autotuning, cuBLAS's choice)."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 * 2**20)
+    copies = max(1, -(-4 * l2_bytes // (weight.numel() * weight.element_size())))
+    ws = [weight] + [weight.clone() for _ in range(copies - 1)]
+    return graph_replay_seconds(lambda: [call(ws[i % copies]) for i in range(repeats)], replays=1) / repeats

@@ -4,8 +4,7 @@ reserved), replayed, and sliced back.
 
 A graph reads its step inputs (token ids, positions, KV slots, request rows, sequence lengths) from
 one static int64 buffer, laid out per bucket as five consecutive runs of ``bs``; ``upload`` fills a
-bucket's runs, padding included, with one host-to-device copy (it was ten small eager copies and
-fills a step before).
+bucket's runs, padding included, with one host-to-device copy.
 """
 
 from __future__ import annotations

@@ -127,14 +127,13 @@ class ModelRunner:
             if batch.padded_batch_size > 0 and self.graphs is not None:
                 self._replay_padding_only(batch)  # lockstep: the other ranks replay this bucket too
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
-        self.slots.record_pages(np.repeat(batch.req_pool_indices, batch.extend_lens), batch.positions,
-                                batch.out_cache_loc)
+        rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
+        self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
         bucket = None
         if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
             bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:
             return self._replay(batch, bucket)
-        rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         sample_idx_np = (np.cumsum(batch.extend_lens) - 1)[batch.sample_mask]  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
@@ -180,17 +179,8 @@ class ModelRunner:
         """An IDLE rank in lockstep replays the bucket the others use, with padding rows only."""
         assert self.graphs is not None
         bucket = self.graphs.bucket_for(ForwardMode.DECODE, batch.padded_batch_size)
-        if bucket is None:
-            return
-        self.last_graph_bucket = bucket
-        none = np.zeros(0, dtype=np.int64)
-        rows = self.graphs.upload(ForwardMode.IDLE, bucket, [none] * 5)
-        inputs = AttentionInputs(forward_mode=ForwardMode.IDLE, req_pool_indices=rows.req_pool_indices,
-                                 prefix_lens_cpu=[], extend_lens_cpu=[], seq_lens=rows.seq_lens,
-                                 out_cache_loc=rows.out_cache_loc, req_to_token=self.slots.req_to_token,
-                                 dtype=self.dtype, req_pool_indices_cpu=none, req_to_page_cpu=self.slots.req_to_page)
-        self.attn.init_replay(inputs, bucket)
-        self.graphs.replay(bucket, 0)
+        if bucket is not None:
+            self._replay(batch, bucket)  # no rows: the upload writes padding only
 
     def _mark_inputs_consumed(self) -> None:
         if self.device.type == "cuda":

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.graph_timing import graph_replay_seconds
+from modeserve.kernels.graph_timing import cold_weight_seconds
 from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
 
 # the fp32 accumulator is a whole tile: at most 32 registers a thread (4 warps up to 4k elements, 8 above)
@@ -88,17 +88,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int = 50) -> tuple[bool, float, float]:
     """Time ``gemv`` (autotuned) and ``torch.nn.functional.linear`` on one row with this weight, each
-    in a CUDA graph of ``repeats`` calls that cycle through copies of the weight larger than the L2
-    cache together (as in a model, where each layer's weights come from HBM): (gemv faster by more
-    than 3%, gemv µs, linear µs)."""
-    l2_bytes = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 * 2**20)
-    copies = max(1, -(-4 * l2_bytes // (weight.numel() * weight.element_size())))
-    ws = [weight] + [weight.clone() for _ in range(copies - 1)]
+    in a CUDA graph of ``repeats`` calls on copies of the weight past L2 (``cold_weight_seconds``):
+    (gemv faster by more than 3%, gemv µs, linear µs)."""
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     times = []
     for fn in (lambda w: gemv(x, w, bias), lambda w: torch.nn.functional.linear(x, w, bias)):
         fn(weight)  # autotunes / picks a cuBLAS kernel outside the graph
-        calls = lambda fn=fn: [fn(ws[i % copies]) for i in range(repeats)]  # noqa: E731
-        times.append(graph_replay_seconds(calls, replays=1) * 1e6 / repeats)
-    del ws
+        times.append(cold_weight_seconds(fn, weight, repeats) * 1e6)
     return times[0] < 0.97 * times[1], times[0], times[1]
