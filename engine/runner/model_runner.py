@@ -102,7 +102,7 @@ class ModelRunner:
                         self.attention_backend_name)
             return
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
-        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, progress)
+        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress)
 
     @property
     def num_pages(self) -> int:

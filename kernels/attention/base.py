@@ -48,6 +48,7 @@ class GraphInputs:
     out_cache_loc: torch.Tensor  # [bs]: where each row's k/v of this step go
     req_pool_indices: torch.Tensor  # [bs]
     seq_lens: torch.Tensor  # [bs]
+    req_to_token: torch.Tensor  # [max_reqs, max_context]: the engine's slot table (allocated once)
 
 
 class AttentionBackend(abc.ABC):

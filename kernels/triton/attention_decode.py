@@ -12,15 +12,13 @@ kernel per layer cost a launch and a dependency wait; its latency was most of it
 With one split, stage 1 writes the output directly.
 
 Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
-counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe. For
-the same reason the slot table is reached through ``table_ref`` ([2] int64: its address and row
-stride, stored in device memory): a captured graph then follows whichever table was bound last.
+counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe (a graph
+keeps the slot table's address: the engine's table is allocated once).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -34,12 +32,12 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr,  # q [B, Hq, D]; k/v cache [num_slots, Hkv, D]
-    table_ref_ptr,  # [2] int64: address of req_to_token (int64), its row stride
+    table_ptr,  # req_to_token [max_reqs, max_context] int64: the KV slot of each position
     req_pool_ptr, seq_lens_ptr,  # [B]
     mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32; out [B, Hq, D]
     counter_ptr,  # [B, Hkv] int32, zero between launches: slices finished per (request, kv head)
     scale_log2, window,  # window <= 0: none
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    table_stride, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -49,8 +47,6 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    table = tl.load(table_ref_ptr).to(tl.pointer_type(tl.int64))
-    table_stride = tl.load(table_ref_ptr + 1)
     req = tl.load(req_pool_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
@@ -73,7 +69,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    row = table + req * table_stride
+    row = table_ptr + req * table_stride
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -131,15 +127,6 @@ def _merge_slices(o_base, lse_base, out_ptrs, stride_os, mask_h, head_mask,
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_mask)
 
 
-def table_ref(req_to_token: torch.Tensor) -> torch.Tensor:
-    """[2] int64 on the host: (address, row stride) of ``req_to_token`` [max_reqs, max_context] int64."""
-    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token must be int64 with contiguous rows")
-    if req_to_token.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("req_to_token must be on the device the kernel runs on (its address is followed)")
-    return torch.tensor([req_to_token.data_ptr(), req_to_token.stride(0)], dtype=torch.int64)
-
-
 def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
     """Splits per (request, kv head) so that stage 1 has about two programs per SM; 1 for big batches.
     (``bench attention`` on an H200 at batch 1: 32 splits took 10.64 against 16's 10.96 µs per layer
@@ -151,12 +138,12 @@ def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.devi
     return max(1, min(max_splits, math.ceil(2 * num_sms / max(batch_size * num_kv_heads, 1))))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_ref_dev: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, num_kv_splits: int | None = None,
                      counters: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], table_ref_dev: [2] int64 (device, see ``table_ref``),
-    req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
+    """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64 (rows
+    contiguous), req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
 
     ``counters``: int32 zeros, at least B * Hkv of them, that the kernel leaves at zero (keep one
     buffer across calls and in CUDA graphs); None: allocated here.
@@ -165,6 +152,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
+    if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be [max_reqs, max_context] int64 with contiguous rows")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -179,9 +168,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty(num_mid, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_mid, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, table_ref_dev, req_pool_indices, seq_lens, mid_o, mid_lse, out, counters,
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out, counters,
         scale * LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),

@@ -21,7 +21,7 @@ from modeserve.kernels.attention.base import (
     resolve_backend_name,
 )
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
+from modeserve.kernels.triton.attention_decode import decode_attention
 
 from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts, teacher_forced_logits
 from tests.kernels.test_attention_backends import (
@@ -77,10 +77,11 @@ def decode_inputs(case: dict, rows: list[int], device: str, dtype: torch.dtype) 
         out_cache_loc=case["out_loc"][rows], req_to_token=case["req_to_token"], dtype=dtype)
 
 
-def static_rows(bs: int, device: str) -> GraphInputs:
+def static_rows(bs: int, table: torch.Tensor) -> GraphInputs:
     """A graph's static rows as the runner makes them: padding only (request row 0, one key, slot 0)."""
+    device = table.device
     return GraphInputs(torch.zeros(bs, dtype=torch.int64, device=device), torch.zeros(bs, dtype=torch.int64,
-                       device=device), torch.ones(bs, dtype=torch.int64, device=device))
+                       device=device), torch.ones(bs, dtype=torch.int64, device=device), table)
 
 
 def replay_inputs(case: dict, rows: list[int], static: GraphInputs, dtype: torch.dtype) -> AttentionInputs:
@@ -110,19 +111,19 @@ def check_backend(case: dict, page_size: int, device: str, dtype: torch.dtype, w
 
 
 def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: int | None, tol: float) -> None:
-    """Capture-style forward on the dummy table, then replays of 5 and 3 real rows padded to 8:
+    """Capture-style forward padding rows only, then replays of 5 and 3 real rows padded to 8:
     the real rows match dense attention and read only the static buffers."""
     case = make_case("decode", page_size, device, dtype)
     cache = make_cache(case, page_size, device, dtype)
     backend = create_attention_backend("triton", torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
     bs = 8
-    static = static_rows(bs, device)
+    static = static_rows(bs, case["req_to_token"])
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)
     backend.init_capture(bs, static)
-    assert torch.isfinite(backend.forward(static_q, static_k, static_v, 0)).all()  # warm-up: dummy table
+    assert torch.isfinite(backend.forward(static_q, static_k, static_v, 0)).all()  # warm-up: padding rows
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [3, 1, 4]):
         n = len(rows)
@@ -133,6 +134,9 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
         backend.init_replay(inputs, bs)
         backend.init_forward_metadata(decode_inputs(case, [0], device, dtype))  # another step between
         backend.init_replay(inputs, bs)
+        with pytest.raises(ValueError, match="slot table it was captured with"):
+            backend.init_replay(AttentionInputs(**{**inputs.__dict__, "req_to_token": inputs.req_to_token.clone()}),
+                                bs)
         out = backend.forward(static_q, static_k, static_v, 0)
         assert torch.isfinite(out).all()
         assert (out[:n].double() - dense[rows]).abs().max() < tol
@@ -155,11 +159,11 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     qkv = torch.randn(len(seq), num_heads + 8, head_dim, generator=g)
     q = qkv[:, 4 : 4 + num_heads]  # a strided view, as from a fused projection
     scale = 1 / math.sqrt(head_dim)
-    table = req_to_token.to(device)  # the kernel follows the table's address: it must live on the device
+    table = req_to_token.to(device)
     counters = torch.zeros(len(seq) * num_kv_heads + 3, dtype=torch.int32, device=device)
     outs = [decode_attention(
         q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
-        table_ref(table).to(device), torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
+        table, torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
         torch.tensor(seq, device=device), scale, window, num_kv_splits, counters) for _ in range(2)]
     assert (counters == 0).all()  # the last slice of each (request, kv head) reset its counter
     assert torch.equal(outs[0], outs[1])  # a reused counter buffer merges again, in the same order
@@ -210,7 +214,7 @@ def test_triton_decode_kernel_splits_and_heads(num_kv_splits: int, num_heads: in
 def test_decode_counters_must_fit() -> None:
     q = torch.zeros(2, 4, 16)
     cache = torch.zeros(3, 2, 16)
-    table = table_ref(torch.zeros(2, 4, dtype=torch.int64))
+    table = torch.zeros(2, 4, dtype=torch.int64)
     rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):  # needs 2 rows x 2 kv heads
         with pytest.raises(ValueError, match="counters must be int32 with at least 4"):
@@ -286,7 +290,7 @@ def test_triton_cuda_graph_replay_gpu(page_size: int, window: int | None) -> Non
     backend = create_attention_backend("triton", torch.device(device), dtype,
                                        kv_cache=make_cache(case, page_size, device, dtype), num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
-    static = static_rows(bs, device)
+    static = static_rows(bs, case["req_to_token"])
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)
