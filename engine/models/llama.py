@@ -59,9 +59,12 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # rotary and the KV-cache store in one op (one kernel with the Triton ops)
-        q, k = self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin, *attn.kv_destination(self.layer_id))
-        out = attn.forward(q, k, v, self.layer_id, kv_stored=True)  # [T, Hq, D]
+        # decode steps: rotary, the KV-cache store and attention in one kernel where the backend has it
+        out = attn.forward_decode_rotary(q, k, v, positions, cos_sin, self.layer_id)
+        if out is None:  # rotary and the KV-cache store in one op (one kernel with the Triton ops), then attention
+            q, k = self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin,
+                                                       *attn.kv_destination(self.layer_id))
+            out = attn.forward(q, k, v, self.layer_id, kv_stored=True)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import decode_attention
+from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
 from modeserve.kernels.triton.attention_extend import extend_attention
 
 
@@ -89,6 +89,16 @@ class TritonAttentionBackend(AttentionBackend):
         if inputs.req_to_token is not meta.req_to_token:
             raise ValueError("a decode graph replays over the slot table it was captured with")
         self._meta = meta
+
+    def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
+        meta = self._meta
+        if not isinstance(meta, _DecodeMeta):
+            return None
+        return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
+                                meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
+                                self._num_kv_splits, self._counters,
+                                DecodeRotary(k, v, positions, cos_sin, self._out_cache_loc))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

@@ -21,7 +21,8 @@ from modeserve.kernels.attention.base import (
     resolve_backend_name,
 )
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import decode_attention
+from modeserve.kernels import ops
+from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
 
 from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts, teacher_forced_logits
 from tests.kernels.test_attention_backends import (
@@ -179,6 +180,41 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
         assert (out[r].cpu().double() - ref).abs().max() < tol, (r, s)
 
 
+def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                        window: int | None, device: str, dtype: torch.dtype, tol: float) -> None:
+    """The decode kernel given the step's unrotated q/k/v (``DecodeRotary``) equals rotary + KV store
+    (``ops.apply_rotary_and_store_kv``, the reference) followed by the plain kernel: the same output
+    and the same cache afterwards, bit for bit."""
+    g = torch.Generator().manual_seed(head_dim + num_heads)
+    seq = [1, 2, 37, 150, 64]
+    num_slots = sum(seq) + 1
+    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    req_to_token = torch.zeros(len(seq) + 1, 160, dtype=torch.int64)
+    used = 0
+    for r, s in enumerate(seq):
+        req_to_token[r + 1, :s] = torch.tensor(slots[used : used + s])
+        used += s
+    table = req_to_token.to(device)
+    rows = torch.arange(1, len(seq) + 1, device=device)
+    seq_lens = torch.tensor(seq, device=device)
+    loc = torch.stack([req_to_token[r + 1, s - 1] for r, s in enumerate(seq)]).to(device)  # the step's slots
+    positions = seq_lens - 1
+    cos_sin = ops.rope_cos_sin(ops.rope_inv_freq(head_dim, 10000.0), 256).to(device)
+    qkv = torch.randn(len(seq), num_heads + 2 * num_kv_heads + 3, head_dim, generator=g).to(device, dtype)
+    q = qkv[:, 1 : 1 + num_heads]  # strided views, as from the fused projection
+    k = qkv[:, 1 + num_heads : 1 + num_heads + num_kv_heads]
+    v = qkv[:, 1 + num_heads + num_kv_heads : 1 + num_heads + 2 * num_kv_heads]
+    caches = [torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q_rot, _ = ops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin, *ref_caches, loc)
+    scale = 1 / math.sqrt(head_dim)
+    ref = decode_attention(q_rot, *ref_caches, table, rows, seq_lens, scale, window, num_kv_splits)
+    out = decode_attention(q, *caches, table, rows, seq_lens, scale, window, num_kv_splits,
+                           rotary=DecodeRotary(k, v, positions, cos_sin, loc))
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    assert (out.double() - ref.double()).abs().max() < tol
+
+
 # ---- CPU: Triton's interpreter ----
 
 
@@ -209,6 +245,14 @@ def test_triton_graph_capture_and_replay_with_padding(page_size: int, window: in
 def test_triton_decode_kernel_splits_and_heads(num_kv_splits: int, num_heads: int, num_kv_heads: int,
                                                head_dim: int, window: int | None) -> None:
     check_decode_splits(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
+    (1, 8, 2, 64, None), (3, 8, 2, 64, 20), (32, 8, 2, 64, None), (4, 6, 2, 80, 100), (5, 4, 4, 32, None),
+])
+def test_decode_with_rotary_equals_rotary_then_decode(num_kv_splits: int, num_heads: int, num_kv_heads: int,
+                                                      head_dim: int, window: int | None) -> None:
+    check_decode_rotary(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-5)
 
 
 def test_decode_counters_must_fit() -> None:
@@ -271,6 +315,15 @@ def test_triton_long_extend_over_prefix_gpu(page_size: int, window: int | None) 
 def test_triton_decode_kernel_splits_and_heads_gpu(num_kv_splits: int | None, num_heads: int, num_kv_heads: int,
                                                    head_dim: int, window: int | None) -> None:
     check_decode_splits(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cuda", torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
+    (None, 32, 8, 128, None), (None, 32, 8, 64, None), (32, 32, 8, 64, None), (8, 8, 2, 64, 20), (5, 6, 2, 80, 100),
+])
+def test_decode_with_rotary_equals_rotary_then_decode_gpu(num_kv_splits: int | None, num_heads: int,
+                                                          num_kv_heads: int, head_dim: int, window: int | None) -> None:
+    check_decode_rotary(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cuda", torch.bfloat16, 2e-2)
 
 
 @pytest.mark.gpu
