@@ -61,7 +61,8 @@ class ModelRunner:
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
         self.gemv_report: dict[str, dict[str, float | bool]] = {}
         if self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
-            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer)
+            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer,
+                                           self.kernel_ops.gemv_add_rms_norm)
 
     def _init_memory(self) -> None:
         mc = self.model_config
