@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue, pdl_release, pdl_wait
 from modeserve.kernels.triton.rotary import _round
 
 LOG2E = 1.4426950408889634
@@ -49,7 +49,10 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    if ROTARY:
+        pdl_release(USE_PDL)  # waits below, after loading its first block of older keys
+    else:
+        pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,6 +73,19 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h  # query heads sharing this kv head
+    row = table_ptr + req * table_stride
+    first = lo
+    if ROTARY:
+        # keys of earlier steps (and the rows, lengths and slot table, written before this step's
+        # first kernel) are final before any kernel of the step runs: the first block streams in
+        # before the wait, while the kernels this one waits for still run; this step's key is not
+        # read from the cache (it is rotated from the projection below)
+        offs_n0 = lo + tl.arange(0, BLOCK_N)
+        mask_n0 = (offs_n0 < hi) & (offs_n0 != newest)
+        k0, v0 = _load_kv_block(row, k_ptr, v_ptr, offs_n0, mask_n0, kv_head, offs_d, mask_d,
+                                stride_kt, stride_kh, stride_vt, stride_vh)
+        pdl_wait(USE_PDL)
+        first = lo + BLOCK_N
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
 
@@ -105,26 +121,17 @@ def _decode_split_kernel(
             m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
             l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
-    row = table_ptr + req * table_stride
-    for start in range(lo, hi, BLOCK_N):
+        if lo < hi:  # the prefetched block (if it holds only this step's key, m_i is finite already)
+            m_i, l_i, acc = _attend_block(q, k0, v0, mask_n0, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         if ROTARY:
             mask_n = mask_n & (offs_n != newest)  # attended above, from registers
-        slots = tl.load(row + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every slice step has a visible key (or m_i is finite)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
+                              stride_kt, stride_kh, stride_vt, stride_vh)
+        # finite: every block has a visible key, or m_i is finite already
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     has_keys = l_i > 0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -145,6 +152,32 @@ def _decode_split_kernel(
         _merge_slices(o_base, lse_base, out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh
                       + offs_d[None, :], stride_os, mask_h, head_mask, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S)
         tl.store(counter, 0)
+
+
+@triton.jit
+def _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
+                   stride_kt, stride_kh, stride_vt, stride_vh):
+    """Keys and values [BLOCK_N, BLOCK_D] of positions ``offs_n`` (where ``mask_n``) through the slot row."""
+    slots = tl.load(row + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One block of keys into the online softmax: (m_i, l_i, acc) updated."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
