@@ -27,6 +27,8 @@ class KernelOps:
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
+    # the GEMV with an add+norm epilogue: add_rms_norm(gemv(x, w, b), residual, norm weight, eps)
+    gemv_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
@@ -47,10 +49,10 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
         return TORCH_OPS
     from modeserve.kernels.triton import ops as triton_ops
     from modeserve.kernels.triton.argmax import argmax
-    from modeserve.kernels.triton.gemv import gemv, gemv_is_faster
+    from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm, gemv_is_faster
     from modeserve.kernels.triton.rotary import store_kv
     from modeserve.kernels.triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,
-                     gemv, gemv_is_faster)
+                     gemv, gemv_is_faster, gemv_add_rms_norm)

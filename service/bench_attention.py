@@ -68,12 +68,13 @@ def time_backend(name: str, args: argparse.Namespace, bs: int, device: torch.dev
     q = torch.randn(bs, args.num_heads, args.head_dim, dtype=dtype, device=device)
     k = torch.randn(bs, args.num_kv_heads, args.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
-    static = GraphInputs(inputs.out_cache_loc, inputs.req_pool_indices, inputs.seq_lens)  # every row real
+    static = GraphInputs(inputs.out_cache_loc, inputs.req_pool_indices, inputs.seq_lens,  # every row real
+                         inputs.req_to_token)
     backend.init_capture(bs, static)
     for layer in range(args.layers):  # warm-up outside the graph (JIT, autotuning)
         backend.forward(q, k, v, layer)
     layers = lambda: [backend.forward(q, k, v, layer) for layer in range(args.layers)]  # noqa: E731
-    replay_setup = lambda: backend.init_replay(inputs, bs)  # noqa: E731  (binds the slot table, plans FlashInfer)
+    replay_setup = lambda: backend.init_replay(inputs, bs)  # noqa: E731  (FlashInfer plans)
     return graph_replay_seconds(layers, args.repeats, warmup=3, after_capture=replay_setup) / args.layers
 
 

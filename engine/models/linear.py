@@ -16,18 +16,38 @@ Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tenso
 GemvTimer = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[bool, float, float]]
 
 
+# (x, weight, bias, residual, norm weight, eps, counter) -> (normalised, new residual), as
+# kernels.triton.gemv.gemv_add_rms_norm
+GemvAddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
 class Linear(nn.Linear):
     gemv: Gemv | None = None  # set on an instance when the kernel measured faster for its shape
+    gemv_add_norm: GemvAddNorm | None = None  # set with ``gemv`` where the kernel has the add+norm epilogue
+    _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
             return self.gemv(x, self.weight, self.bias)
         return super().forward(x)
 
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         add_rms_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_rms_norm(self(x), residual, norm_weight, eps)``: (normalised, new residual); a one-row x
+        through the GEMV kernel adds and normalises in the kernel's last program (no separate launch)."""
+        if self.gemv_add_norm is not None and x.dim() == 2 and x.shape[0] == 1 and residual.is_contiguous():
+            if self._counter is None:
+                self._counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+            return self.gemv_add_norm(x, self.weight, self.bias, residual, norm_weight, eps, self._counter)
+        return add_rms_norm(self(x), residual, norm_weight, eps)
 
-def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer) -> dict[str, dict[str, float | bool]]:
+
+def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer,
+                gemv_add_norm: GemvAddNorm | None = None) -> dict[str, dict[str, float | bool]]:
     """Time each distinct (weight shape, bias, dtype) of the model's ``Linear`` layers once and give
-    the layers whose shape was faster with ``gemv`` that kernel; returns the timings by shape."""
+    the layers whose shape was faster with ``gemv`` that kernel (and ``gemv_add_norm``, its variant
+    with the add+norm epilogue); returns the timings by shape."""
     timed: dict[tuple[tuple[int, ...], bool, torch.dtype], tuple[bool, float, float]] = {}
     for module in model.modules():
         if not isinstance(module, Linear):
@@ -36,6 +56,9 @@ def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer) -> dict[str, dic
         if key not in timed:
             timed[key] = timer(module.weight, module.bias)
         module.gemv = gemv if timed[key][0] else None
+        module.gemv_add_norm = gemv_add_norm if timed[key][0] else None
+        if module.gemv_add_norm is not None:  # allocated here, outside any graph capture
+            module._counter = torch.zeros(1, dtype=torch.int32, device=module.weight.device)
     report = {f"{shape[0]}x{shape[1]}" + ("+bias" if bias else ""): {"gemv": use, "gemv_us": round(g, 2),
                                                                      "cublas_us": round(c, 2)}
               for (shape, bias, _), (use, g, c) in timed.items()}

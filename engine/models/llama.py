@@ -6,7 +6,7 @@ the fused shards. Attention goes through the step's ``AttentionBackend``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 from torch import nn
@@ -32,6 +32,10 @@ class RMSNorm(nn.Module):
         """(rms_norm(x + residual), x + residual)."""
         return self.kops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def after(self, proj: Linear, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``add_forward(proj(x), residual)``, the add and the norm inside the projection's GEMV where it has one."""
+        return proj.forward_add_norm(x, residual, self.weight, self.eps, self.kops.add_rms_norm)
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kops: KernelOps) -> None:
@@ -52,6 +56,12 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         # x: [T, hidden], positions: [T]
+        return self.o_proj(self.attend(positions, x, cos_sin, attn))
+
+    def attend(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Attention before the output projection: [T, hidden] -> [T, Hq * D]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -59,10 +69,13 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # rotary and the KV-cache store in one op (one kernel with the Triton ops)
-        q, k = self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin, *attn.kv_destination(self.layer_id))
-        out = attn.forward(q, k, v, self.layer_id, kv_stored=True)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        # decode steps: rotary, the KV-cache store and attention in one kernel where the backend has it
+        out = attn.forward_decode_rotary(q, k, v, positions, cos_sin, self.layer_id)
+        if out is None:  # rotary and the KV-cache store in one op (one kernel with the Triton ops), then attention
+            q, k = self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin,
+                                                       *attn.kv_destination(self.layer_id))
+            out = attn.forward(q, k, v, self.layer_id, kv_stored=True)  # [T, Hq, D]
+        return out.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -73,7 +86,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(x))
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP before its down projection: [T, hidden] -> [T, intermediate]."""
+        return self.kops.silu_and_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -88,18 +105,18 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         cos_sin: torch.Tensor,
         attn: AttentionBackend,
+        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(positions, x, cos_sin, attn)
-        x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        """x: this layer's input, normalised already; residual: the stream's sum so far. Returns the
+        next layer's normalised input (``next_norm``: its input norm, or the model's final norm) and
+        the new residual: each residual add and norm follows the projection before it (in one
+        kernel where that projection is a GEMV with the epilogue)."""
+        x, residual = self.post_attention_layernorm.after(self.self_attn.o_proj,
+                                                          self.self_attn.attend(positions, x, cos_sin, attn), residual)
+        return next_norm.after(self.mlp.down_proj, self.mlp.act(x), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,12 +156,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin, attn)
-        assert residual is not None
-        x, _ = self.norm.add_forward(x, residual)
+        layers = cast(list[LlamaDecoderLayer], list(self.layers))
+        residual = self.embed_tokens(input_ids)
+        x = layers[0].input_layernorm(residual)
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, next_norm in zip(layers, next_norms):
+            x, residual = layer(positions, x, residual, self.cos_sin, attn, next_norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

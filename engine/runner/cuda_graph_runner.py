@@ -47,8 +47,9 @@ class CudaGraphRunner:
     ``init_replay``."""
 
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, device: torch.device,
-                 progress: Callable[[str], None] | None = None) -> None:
-        self.model, self.attn = model, attn
+                 slot_table: torch.Tensor, progress: Callable[[str], None] | None = None) -> None:
+        """``slot_table``: the engine's req_to_token (allocated once): every replay reads it."""
+        self.model, self.attn, self._slot_table = model, attn, slot_table
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_bs] or [max_bs]
         self._static = torch.zeros(len(STATIC_RUNS) * self.buckets[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -71,7 +72,8 @@ class CudaGraphRunner:
             rows = self.rows(bs)
             for run, pad in zip(rows, PAD_VALUES):
                 run.fill_(pad)
-            self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens))
+            self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens,
+                                                   self._slot_table))
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(rows)
             torch.cuda.synchronize()

@@ -61,7 +61,8 @@ class ModelRunner:
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
         self.gemv_report: dict[str, dict[str, float | bool]] = {}
         if self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
-            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer)
+            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer,
+                                           self.kernel_ops.gemv_add_rms_norm)
 
     def _init_memory(self) -> None:
         mc = self.model_config
@@ -102,7 +103,7 @@ class ModelRunner:
                         self.attention_backend_name)
             return
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
-        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, progress)
+        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress)
 
     @property
     def num_pages(self) -> int:

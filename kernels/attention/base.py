@@ -48,6 +48,7 @@ class GraphInputs:
     out_cache_loc: torch.Tensor  # [bs]: where each row's k/v of this step go
     req_pool_indices: torch.Tensor  # [bs]
     seq_lens: torch.Tensor  # [bs]
+    req_to_token: torch.Tensor  # [max_reqs, max_context]: the engine's slot table (allocated once)
 
 
 class AttentionBackend(abc.ABC):
@@ -78,6 +79,14 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. ``kv_stored``: k/v are in the cache already."""
+
+    def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
+        """A decode step's rotary embedding, KV store and attention in one op, for backends that have
+        one: q/k not rotated yet (neox rotate-half with ``cos_sin`` [max_pos, D] = [cos | sin] at
+        ``positions``), k/v not in the cache. None: not this step (the caller rotates, stores and
+        calls ``forward``)."""
+        return None
 
     # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both:
     # ``init_capture`` before capturing ``bs`` rows (the graph reads its rows from ``static``),

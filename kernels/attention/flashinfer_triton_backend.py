@@ -58,6 +58,10 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
     def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._active.kv_destination(layer_id)
 
+    def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
+        return self._active.forward_decode_rotary(q, k, v, positions, cos_sin, layer_id)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:
         return self._active.forward(q, k, v, layer_id, kv_stored)

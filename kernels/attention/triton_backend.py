@@ -6,9 +6,7 @@ at token granularity, so any page size works, and both take their loop bounds fr
 ``init_forward_metadata`` only copies a few [B] host lists to the device, with no sync and no plan.
 
 CUDA graphs (decode): the graph reads the rows from the runner's static buffers (``GraphInputs``,
-filled before each replay). The slot table is not known at capture, so the decode kernel reads its
-address from a static device buffer (``table_ref``) that points at a dummy one-slot table during
-capture and at the step's ``req_to_token`` after every ``init_forward_metadata``/``init_replay``.
+filled before each replay) and the engine's slot table, whose address it keeps.
 """
 
 from __future__ import annotations
@@ -18,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
+from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
 from modeserve.kernels.triton.attention_extend import extend_attention
 
 
 @dataclass(frozen=True)
 class _DecodeMeta:
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
     req_pool_indices: torch.Tensor  # [B] (device)
     seq_lens: torch.Tensor  # [B] (device)
 
@@ -45,9 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         self._num_kv_splits = num_kv_splits
         self._device = kv_cache.k[0].device
-        self._dummy_table = torch.zeros(1, 1, dtype=torch.int64, device=self._device)  # one row: slot 0
-        self._table_ref = table_ref(self._dummy_table).to(self._device)  # [2]: address, row stride
-        self._bound_table: torch.Tensor = self._dummy_table
         self._meta: _DecodeMeta | _ExtendMeta | None = None
         self._graph_rows: dict[int, tuple[_DecodeMeta, torch.Tensor]] = {}  # bucket -> its static rows, KV slots
         # the decode kernel's per-(row, kv head) slice counters, zero between launches: one buffer for
@@ -62,19 +58,12 @@ class TritonAttentionBackend(AttentionBackend):
             self._old_counters.append(self._counters)
             self._counters = torch.zeros(need, dtype=torch.int32, device=self._device)
 
-    def _bind_table(self, req_to_token: torch.Tensor) -> None:
-        """Point ``table_ref`` at ``req_to_token`` (a copy in stream order; only when it changes)."""
-        if req_to_token is not self._bound_table:
-            self._table_ref.copy_(table_ref(req_to_token), non_blocking=True)
-            self._bound_table = req_to_token  # keeps the table alive while kernels read it
-
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
         if all(e == 1 for e in extend_lens):
             self._reserve_counters(len(extend_lens))
-            self._bind_table(inputs.req_to_token)
-            self._meta = _DecodeMeta(inputs.req_pool_indices, inputs.seq_lens)
+            self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens)
             return
         qo_start = [0] * len(extend_lens)
         for i in range(1, len(extend_lens)):
@@ -88,16 +77,28 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        """Decode over ``static``'s rows; during capture, on the dummy table (padding rows read slot 0)."""
+        """Decode over ``static``'s rows and slot table (during capture: padding rows, slot table row 0)."""
         self._reserve_counters(bs)
-        self._bind_table(self._dummy_table)
-        self._graph_rows[bs] = (_DecodeMeta(static.req_pool_indices, static.seq_lens), static.out_cache_loc)
+        self._graph_rows[bs] = (_DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens),
+                                static.out_cache_loc)
         self._meta, self._out_cache_loc = self._graph_rows[bs]
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        """The rows are in the static buffers already: only the slot table may have changed."""
-        self._bind_table(inputs.req_to_token)
-        self._meta, self._out_cache_loc = self._graph_rows[bs]
+        """The rows are in the static buffers already; the graph reads the table it was captured with."""
+        meta, self._out_cache_loc = self._graph_rows[bs]
+        if inputs.req_to_token is not meta.req_to_token:
+            raise ValueError("a decode graph replays over the slot table it was captured with")
+        self._meta = meta
+
+    def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
+        meta = self._meta
+        if not isinstance(meta, _DecodeMeta):
+            return None
+        return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
+                                meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
+                                self._num_kv_splits, self._counters,
+                                DecodeRotary(k, v, positions, cos_sin, self._out_cache_loc))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -107,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         meta = self._meta
         if isinstance(meta, _DecodeMeta):
-            return decode_attention(q, k_cache, v_cache, self._table_ref, meta.req_pool_indices, meta.seq_lens,
+            return decode_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                     self.scale, self.sliding_window, self._num_kv_splits, self._counters)
         if isinstance(meta, _ExtendMeta):
             return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,

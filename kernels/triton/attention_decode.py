@@ -12,21 +12,21 @@ kernel per layer cost a launch and a dependency wait; its latency was most of it
 With one split, stage 1 writes the output directly.
 
 Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
-counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe. For
-the same reason the slot table is reached through ``table_ref`` ([2] int64: its address and row
-stride, stored in device memory): a captured graph then follows whichever table was bound last.
+counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe (a graph
+keeps the slot table's address: the engine's table is allocated once).
 """
 
 from __future__ import annotations
 
 import math
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue, pdl_release, pdl_wait
+from modeserve.kernels.triton.rotary import _round
 
 LOG2E = 1.4426950408889634
 
@@ -34,25 +34,31 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr,  # q [B, Hq, D]; k/v cache [num_slots, Hkv, D]
-    table_ref_ptr,  # [2] int64: address of req_to_token (int64), its row stride
+    table_ptr,  # req_to_token [max_reqs, max_context] int64: the KV slot of each position
     req_pool_ptr, seq_lens_ptr,  # [B]
     mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32; out [B, Hq, D]
     counter_ptr,  # [B, Hkv] int32, zero between launches: slices finished per (request, kv head)
+    # with ROTARY: q is not rotated yet; this step's k/v [B, Hkv, D] (k not rotated), positions [B],
+    # cos_sin [max_pos, D] = [cos | sin] (fp32) and the KV slots [B] they are stored at
+    k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, loc_ptr,
     scale_log2, window,  # window <= 0: none
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    table_stride, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    if ROTARY:
+        pdl_release(USE_PDL)  # waits below, after loading its first block of older keys
+    else:
+        pdl_prologue(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    table = tl.load(table_ref_ptr).to(tl.pointer_type(tl.int64))
-    table_stride = tl.load(table_ref_ptr + 1)
     req = tl.load(req_pool_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    newest = seq_len - 1  # with ROTARY this step's key, not in the cache yet
 
     # keys [kv_start, seq_len) are visible; this program takes one BLOCK_N-aligned slice of them
     kv_start = 0
@@ -67,30 +73,65 @@ def _decode_split_kernel(
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h  # query heads sharing this kv head
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    row = table_ptr + req * table_stride
+    first = lo
+    if ROTARY:
+        # keys of earlier steps (and the rows, lengths and slot table, written before this step's
+        # first kernel) are final before any kernel of the step runs: the first block streams in
+        # before the wait, while the kernels this one waits for still run; this step's key is not
+        # read from the cache (it is rotated from the projection below)
+        offs_n0 = lo + tl.arange(0, BLOCK_N)
+        mask_n0 = (offs_n0 < hi) & (offs_n0 != newest)
+        k0, v0 = _load_kv_block(row, k_ptr, v_ptr, offs_n0, mask_n0, kv_head, offs_d, mask_d,
+                                stride_kt, stride_kh, stride_vt, stride_vh)
+        pdl_wait(USE_PDL)
+        first = lo + BLOCK_N
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    row = table + req * table_stride
-    for start in range(lo, hi, BLOCK_N):
+    if ROTARY:
+        # neox rotate-half of q here, as the rotary kernel computes it (each product rounded to q's
+        # dtype): out[d] = x[d] cos[d % half] -+ x[partner(d)] sin[d % half]
+        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+        cs = cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs + offs_d % (HEAD_DIM // 2)
+        cos = tl.load(cs, mask=mask_d, other=0.0)
+        sin = tl.load(cs + HEAD_DIM // 2, mask=mask_d, other=0.0)
+        q_partner = tl.load(q_rows + partner[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        cos_q, sin_q = _round(cos, q.dtype)[None, :], _round(sin, q.dtype)[None, :]
+        q = (_round(q.to(tl.float32) * cos_q, q.dtype) + sign[None, :]
+             * _round(q_partner.to(tl.float32) * sin_q, q.dtype)).to(q.dtype)
+        if (lo <= newest) & (newest < hi):
+            # this program's slice holds this step's key: it rotates it, attends to it first (so no
+            # block of the loop below is all masked) and is the one that stores the step's k/v
+            k_row = k_new_ptr + b.to(tl.int64) * stride_knb + kv_head * stride_knh
+            k_dtype = k_new_ptr.dtype.element_ty
+            cos_k, sin_k = _round(cos, k_dtype), _round(sin, k_dtype)
+            k_new = (_round(tl.load(k_row + offs_d, mask=mask_d, other=0.0).to(tl.float32) * cos_k, k_dtype) + sign
+                     * _round(tl.load(k_row + partner, mask=mask_d, other=0.0).to(tl.float32) * sin_k, k_dtype))
+            k_new = k_new.to(k_dtype).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=mask_d,
+                            other=0.0).to(v_ptr.dtype.element_ty)
+            slot = tl.load(loc_ptr + b).to(tl.int64)
+            tl.store(k_ptr + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=mask_d)
+            tl.store(v_ptr + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=mask_d)
+            m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
+            l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
+        if lo < hi:  # the prefetched block (if it holds only this step's key, m_i is finite already)
+            m_i, l_i, acc = _attend_block(q, k0, v0, mask_n0, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        slots = tl.load(row + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every slice step has a visible key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        if ROTARY:
+            mask_n = mask_n & (offs_n != newest)  # attended above, from registers
+        k, v = _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
+                              stride_kt, stride_kh, stride_vt, stride_vh)
+        # finite: every block has a visible key, or m_i is finite already
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
     has_keys = l_i > 0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -114,6 +155,32 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
+                   stride_kt, stride_kh, stride_vt, stride_vh):
+    """Keys and values [BLOCK_N, BLOCK_D] of positions ``offs_n`` (where ``mask_n``) through the slot row."""
+    slots = tl.load(row + offs_n, mask=mask_n, other=0)  # [BLOCK_N] int64
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One block of keys into the online softmax: (m_i, l_i, acc) updated."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+    s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _merge_slices(o_base, lse_base, out_ptrs, stride_os, mask_h, head_mask,
                   NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """out[h] = sum_s w[h, s] o[h, s] / sum_s w[h, s], w = 2^(lse - max lse); loads skip L1 (``.cg``):
@@ -131,13 +198,22 @@ def _merge_slices(o_base, lse_base, out_ptrs, stride_os, mask_h, head_mask,
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=head_mask)
 
 
-def table_ref(req_to_token: torch.Tensor) -> torch.Tensor:
-    """[2] int64 on the host: (address, row stride) of ``req_to_token`` [max_reqs, max_context] int64."""
-    if req_to_token.dtype != torch.int64 or req_to_token.stride(1) != 1:
-        raise ValueError("req_to_token must be int64 with contiguous rows")
-    if req_to_token.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("req_to_token must be on the device the kernel runs on (its address is followed)")
-    return torch.tensor([req_to_token.data_ptr(), req_to_token.stride(0)], dtype=torch.int64)
+class DecodeRotary(NamedTuple):
+    """What a decode step's attention needs to do the rotary embedding and the KV store itself."""
+
+    k: torch.Tensor  # [B, Hkv, D] this step's keys, not rotated (any row/head stride, head dim contiguous)
+    v: torch.Tensor  # [B, Hkv, D]
+    positions: torch.Tensor  # [B] int
+    cos_sin: torch.Tensor  # [max_pos, D] = [cos | sin], float32
+    loc: torch.Tensor  # [B] int64: the KV slots the step's k/v go to
+
+    def check(self, batch: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor) -> None:
+        if self.k.shape != (batch, num_kv_heads, head_dim) or self.v.shape != self.k.shape or head_dim % 2:
+            raise ValueError(f"rotary k/v must be [{batch}, {num_kv_heads}, {head_dim}] with an even head_dim")
+        if self.k.stride(2) != 1 or self.v.stride(2) != 1 or self.cos_sin.stride(1) != 1:
+            raise ValueError("rotary k/v and cos_sin need a contiguous last dim")
+        if self.positions.shape != (batch,) or self.loc.shape != (batch,) or self.cos_sin.shape[1] != head_dim:
+            raise ValueError("rotary positions/loc must be [B] and cos_sin [max_pos, head_dim]")
 
 
 def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
@@ -151,20 +227,24 @@ def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.devi
     return max(1, min(max_splits, math.ceil(2 * num_sms / max(batch_size * num_kv_heads, 1))))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table_ref_dev: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, num_kv_splits: int | None = None,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], table_ref_dev: [2] int64 (device, see ``table_ref``),
-    req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
+                     counters: torch.Tensor | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64 (rows
+    contiguous), req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
 
     ``counters``: int32 zeros, at least B * Hkv of them, that the kernel leaves at zero (keep one
     buffer across calls and in CUDA graphs); None: allocated here.
+    ``rotary``: q and the step's k are not rotated yet and its k/v are not in the cache: the kernel
+    does what ``apply_rotary_and_store_kv`` would have done first (same numbers), in the same launch.
     A query sees keys at positions > seq_len - 1 - sliding_window (all of them without a window)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
+    if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token must be [max_reqs, max_context] int64 with contiguous rows")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -173,21 +253,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     elif counters.dtype != torch.int32 or counters.numel() < batch * num_kv_heads:
         raise ValueError(f"counters must be int32 with at least {batch * num_kv_heads} elements")
+    if rotary is not None:
+        rotary.check(batch, num_kv_heads, head_dim, k_cache)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
+    r = rotary if rotary is not None else DecodeRotary(q[:, :1], q[:, :1], seq_lens, q.new_zeros(1, 1, dtype=torch.float32),
+                                                       seq_lens)  # never read without ROTARY
     num_mid = batch if splits > 1 else 1  # one split writes ``out`` directly
     mid_o = torch.empty(num_mid, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_mid, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, table_ref_dev, req_pool_indices, seq_lens, mid_o, mid_lse, out, counters,
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out, counters,
+        r.k, r.v, r.positions, r.cos_sin, r.loc,
         scale * LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
+        req_to_token.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=32, BLOCK_D=block_d,  # spill-free on sm_90 (bf16) for head_dim up to 256
         BLOCK_S=triton.next_power_of_2(splits),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if head_dim <= 128 else 8,
-        **pdl_args(q.device),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROTARY=rotary is not None,
+        num_warps=4 if head_dim <= 128 else 8, **pdl_args(q.device),
     )
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from modeserve.kernels.graph_timing import cold_weight_seconds
+from modeserve.kernels.triton.norm import _normalize
 from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
 
 # the fp32 accumulator is a whole tile: at most 32 registers a thread (4 warps up to 4k elements, 8 above)
@@ -27,7 +28,11 @@ CONFIGS = [
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 # with ADD_NORM: the residual [N] (read), the new residual and the normalised sum (written),
+                 # the norm's weight, eps, and a counter (int32, zero between launches)
+                 r_ptr, r_out_ptr, norm_out_ptr, norm_w_ptr, eps, counter_ptr,
+                 HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr, BLOCK_NORM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -55,6 +60,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)
+    if ADD_NORM:
+        # the program that finishes last adds the residual and normalises the whole row (what
+        # add_rms_norm would do in a kernel of its own); y is read back past L1 (other SMs wrote it)
+        tl.debug_barrier()  # every thread's stores precede the count (the atomic releases them at gpu scope)
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            cols = tl.arange(0, BLOCK_NORM)
+            mask = cols < N
+            y = tl.load(y_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            res_dtype = r_out_ptr.dtype.element_ty
+            res = (y + r).to(res_dtype)  # rounded before it is normalised, as add_rms_norm does
+            tl.store(r_out_ptr + cols, res, mask=mask)
+            out = _normalize(res.to(tl.float32), norm_w_ptr, cols, mask, N, eps, res_dtype)
+            tl.store(norm_out_ptr + cols, out.to(norm_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(counter_ptr, 0)
 
 
 # cache_results: the chosen tile is kept in Triton's cache dir beside the binaries (a carried cache skips the autotune)
@@ -66,24 +86,56 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x: [1, K], weight: [N, K] (rows contiguous), bias: [N] or None -> [1, N] in x's dtype.
 
     ``config``: (BLOCK_N, BLOCK_K) instead of the autotuned tile (Triton's CPU interpreter cannot time)."""
+    y = _output(x, weight)
+    _launch(x.contiguous(), weight, bias, y, None, config)
+    return y
+
+
+def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, counter: torch.Tensor,
+                      config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(gemv(x, weight, bias), residual, norm_weight, eps)`` in one launch, with the same
+    numbers: (normalised [1, N], new residual [1, N]). ``counter``: one int32, zero between calls (the
+    kernel leaves it so); keep one per call site, also in CUDA graphs."""
+    y = _output(x, weight)
+    n = weight.shape[0]
+    if residual.shape != (1, n) or norm_weight.shape != (n,) or not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous [1, {n}] and the norm weight [{n}]")
+    if counter.dtype != torch.int32 or counter.numel() != 1:
+        raise ValueError("counter must be one int32")
+    res_dtype = torch.promote_types(y.dtype, residual.dtype)
+    new_residual = torch.empty(1, n, dtype=res_dtype, device=x.device)
+    out = torch.empty(1, n, dtype=torch.promote_types(res_dtype, norm_weight.dtype), device=x.device)
+    _launch(x.contiguous(), weight, bias, y, (residual, new_residual, out, norm_weight.contiguous(), eps, counter),
+            config)
+    return out, new_residual
+
+
+def _output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y [1, N] for a valid (x, weight)."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous")
+    return torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+            add_norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor] | None,
+            config: tuple[int, int] | None) -> None:
     n, k = weight.shape
-    x = x.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     b = bias if bias is not None else weight  # never read without HAS_BIAS
+    r, r_out, norm_out, norm_w, eps, counter = add_norm if add_norm is not None else (y, y, y, y, 0.0, y)
     pdl = pdl_enabled(x.device)
+    args = (x, weight, b, y, n, k, weight.stride(0), r, r_out, norm_out, norm_w, eps, counter)
+    flags = {"HAS_BIAS": bias is not None, "ADD_NORM": add_norm is not None,
+             "BLOCK_NORM": triton.next_power_of_2(n) if add_norm is not None else 1, "USE_PDL": pdl, "launch_pdl": pdl}
     if config is not None:
         block_n, block_k = config
-        _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                                                 BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl)
-        return y
+        _gemv_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k, **flags)
+        return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_autotuned[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl,
-                          launch_pdl=pdl)
-    return y
+    _gemv_autotuned[grid](*args, **flags)
 
 
 def gemv_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int = 50) -> tuple[bool, float, float]:

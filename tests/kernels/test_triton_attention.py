@@ -21,7 +21,8 @@ from modeserve.kernels.attention.base import (
     resolve_backend_name,
 )
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import decode_attention, table_ref
+from modeserve.kernels import ops
+from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
 
 from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts, teacher_forced_logits
 from tests.kernels.test_attention_backends import (
@@ -77,10 +78,11 @@ def decode_inputs(case: dict, rows: list[int], device: str, dtype: torch.dtype) 
         out_cache_loc=case["out_loc"][rows], req_to_token=case["req_to_token"], dtype=dtype)
 
 
-def static_rows(bs: int, device: str) -> GraphInputs:
+def static_rows(bs: int, table: torch.Tensor) -> GraphInputs:
     """A graph's static rows as the runner makes them: padding only (request row 0, one key, slot 0)."""
+    device = table.device
     return GraphInputs(torch.zeros(bs, dtype=torch.int64, device=device), torch.zeros(bs, dtype=torch.int64,
-                       device=device), torch.ones(bs, dtype=torch.int64, device=device))
+                       device=device), torch.ones(bs, dtype=torch.int64, device=device), table)
 
 
 def replay_inputs(case: dict, rows: list[int], static: GraphInputs, dtype: torch.dtype) -> AttentionInputs:
@@ -110,19 +112,19 @@ def check_backend(case: dict, page_size: int, device: str, dtype: torch.dtype, w
 
 
 def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: int | None, tol: float) -> None:
-    """Capture-style forward on the dummy table, then replays of 5 and 3 real rows padded to 8:
+    """Capture-style forward padding rows only, then replays of 5 and 3 real rows padded to 8:
     the real rows match dense attention and read only the static buffers."""
     case = make_case("decode", page_size, device, dtype)
     cache = make_cache(case, page_size, device, dtype)
     backend = create_attention_backend("triton", torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
     bs = 8
-    static = static_rows(bs, device)
+    static = static_rows(bs, case["req_to_token"])
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)
     backend.init_capture(bs, static)
-    assert torch.isfinite(backend.forward(static_q, static_k, static_v, 0)).all()  # warm-up: dummy table
+    assert torch.isfinite(backend.forward(static_q, static_k, static_v, 0)).all()  # warm-up: padding rows
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [3, 1, 4]):
         n = len(rows)
@@ -133,6 +135,9 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
         backend.init_replay(inputs, bs)
         backend.init_forward_metadata(decode_inputs(case, [0], device, dtype))  # another step between
         backend.init_replay(inputs, bs)
+        with pytest.raises(ValueError, match="slot table it was captured with"):
+            backend.init_replay(AttentionInputs(**{**inputs.__dict__, "req_to_token": inputs.req_to_token.clone()}),
+                                bs)
         out = backend.forward(static_q, static_k, static_v, 0)
         assert torch.isfinite(out).all()
         assert (out[:n].double() - dense[rows]).abs().max() < tol
@@ -155,11 +160,11 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     qkv = torch.randn(len(seq), num_heads + 8, head_dim, generator=g)
     q = qkv[:, 4 : 4 + num_heads]  # a strided view, as from a fused projection
     scale = 1 / math.sqrt(head_dim)
-    table = req_to_token.to(device)  # the kernel follows the table's address: it must live on the device
+    table = req_to_token.to(device)
     counters = torch.zeros(len(seq) * num_kv_heads + 3, dtype=torch.int32, device=device)
     outs = [decode_attention(
         q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
-        table_ref(table).to(device), torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
+        table, torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
         torch.tensor(seq, device=device), scale, window, num_kv_splits, counters) for _ in range(2)]
     assert (counters == 0).all()  # the last slice of each (request, kv head) reset its counter
     assert torch.equal(outs[0], outs[1])  # a reused counter buffer merges again, in the same order
@@ -173,6 +178,41 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
         p = (torch.einsum("hd,shd->hs", q[r].double(), kk) * scale).softmax(-1)
         ref = torch.einsum("hs,shd->hd", p, vv)
         assert (out[r].cpu().double() - ref).abs().max() < tol, (r, s)
+
+
+def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                        window: int | None, device: str, dtype: torch.dtype, tol: float) -> None:
+    """The decode kernel given the step's unrotated q/k/v (``DecodeRotary``) equals rotary + KV store
+    (``ops.apply_rotary_and_store_kv``, the reference) followed by the plain kernel: the same output
+    and the same cache afterwards, bit for bit."""
+    g = torch.Generator().manual_seed(head_dim + num_heads)
+    seq = [1, 2, 37, 150, 64]
+    num_slots = sum(seq) + 1
+    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    req_to_token = torch.zeros(len(seq) + 1, 160, dtype=torch.int64)
+    used = 0
+    for r, s in enumerate(seq):
+        req_to_token[r + 1, :s] = torch.tensor(slots[used : used + s])
+        used += s
+    table = req_to_token.to(device)
+    rows = torch.arange(1, len(seq) + 1, device=device)
+    seq_lens = torch.tensor(seq, device=device)
+    loc = torch.stack([req_to_token[r + 1, s - 1] for r, s in enumerate(seq)]).to(device)  # the step's slots
+    positions = seq_lens - 1
+    cos_sin = ops.rope_cos_sin(ops.rope_inv_freq(head_dim, 10000.0), 256).to(device)
+    qkv = torch.randn(len(seq), num_heads + 2 * num_kv_heads + 3, head_dim, generator=g).to(device, dtype)
+    q = qkv[:, 1 : 1 + num_heads]  # strided views, as from the fused projection
+    k = qkv[:, 1 + num_heads : 1 + num_heads + num_kv_heads]
+    v = qkv[:, 1 + num_heads + num_kv_heads : 1 + num_heads + 2 * num_kv_heads]
+    caches = [torch.randn(num_slots, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q_rot, _ = ops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin, *ref_caches, loc)
+    scale = 1 / math.sqrt(head_dim)
+    ref = decode_attention(q_rot, *ref_caches, table, rows, seq_lens, scale, window, num_kv_splits)
+    out = decode_attention(q, *caches, table, rows, seq_lens, scale, window, num_kv_splits,
+                           rotary=DecodeRotary(k, v, positions, cos_sin, loc))
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    assert (out.double() - ref.double()).abs().max() < tol
 
 
 # ---- CPU: Triton's interpreter ----
@@ -207,10 +247,18 @@ def test_triton_decode_kernel_splits_and_heads(num_kv_splits: int, num_heads: in
     check_decode_splits(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-4)
 
 
+@pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
+    (1, 8, 2, 64, None), (3, 8, 2, 64, 20), (32, 8, 2, 64, None), (4, 6, 2, 80, 100), (5, 4, 4, 32, None),
+])
+def test_decode_with_rotary_equals_rotary_then_decode(num_kv_splits: int, num_heads: int, num_kv_heads: int,
+                                                      head_dim: int, window: int | None) -> None:
+    check_decode_rotary(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-5)
+
+
 def test_decode_counters_must_fit() -> None:
     q = torch.zeros(2, 4, 16)
     cache = torch.zeros(3, 2, 16)
-    table = table_ref(torch.zeros(2, 4, dtype=torch.int64))
+    table = torch.zeros(2, 4, dtype=torch.int64)
     rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):  # needs 2 rows x 2 kv heads
         with pytest.raises(ValueError, match="counters must be int32 with at least 4"):
@@ -270,6 +318,15 @@ def test_triton_decode_kernel_splits_and_heads_gpu(num_kv_splits: int | None, nu
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
+    (None, 32, 8, 128, None), (None, 32, 8, 64, None), (32, 32, 8, 64, None), (8, 8, 2, 64, 20), (5, 6, 2, 80, 100),
+])
+def test_decode_with_rotary_equals_rotary_then_decode_gpu(num_kv_splits: int | None, num_heads: int,
+                                                          num_kv_heads: int, head_dim: int, window: int | None) -> None:
+    check_decode_rotary(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cuda", torch.bfloat16, 2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_graph_hooks_gpu(page_size: int, window: int | None) -> None:
@@ -286,7 +343,7 @@ def test_triton_cuda_graph_replay_gpu(page_size: int, window: int | None) -> Non
     backend = create_attention_backend("triton", torch.device(device), dtype,
                                        kv_cache=make_cache(case, page_size, device, dtype), num_heads=HQ,
                                        scale=1 / math.sqrt(D), sliding_window=window)
-    static = static_rows(bs, device)
+    static = static_rows(bs, case["req_to_token"])
     static_q = torch.zeros(bs, HQ, D, dtype=dtype, device=device)
     static_k = torch.zeros(bs, HKV, D, dtype=dtype, device=device)
     static_v = torch.zeros_like(static_k)

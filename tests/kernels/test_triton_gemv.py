@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from modeserve.engine.models.linear import Linear, choose_gemv
-from modeserve.kernels.triton.gemv import gemv
+from modeserve.kernels import ops
+from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm
+from modeserve.kernels.triton.norm import add_rms_norm
 from torch import nn
 
 
@@ -26,6 +28,26 @@ def test_gemv_equals_linear(n: int, k: int, config: tuple[int, int], bias: bool)
     torch.testing.assert_close(gemv(x, w, b, config=config), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k,config", [(40, 96, (8, 32)), (300, 64, (16, 64))])
+def test_gemv_add_rms_norm_equals_the_pair(n: int, k: int, config: tuple[int, int], bias: bool) -> None:
+    """The last program adds the residual and normalises: ``add_rms_norm(linear(x), residual)``; the
+    counter is back at zero, so a second call (the next step) merges again."""
+    w, b = weights(n, k, bias, torch.float32, "cpu")
+    x, residual, norm_w = torch.randn(1, k), torch.randn(1, n), torch.rand(n) + 0.5
+    want_out, want_res = ops.add_rms_norm(torch.nn.functional.linear(x, w, b), residual, norm_w, 1e-6)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):
+        out, res = gemv_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counter, config=config)
+        torch.testing.assert_close(res, want_res, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+        assert counter.item() == 0
+    with pytest.raises(ValueError, match="residual must be"):
+        gemv_add_rms_norm(x, w, b, residual[:, :-1], norm_w, 1e-6, counter, config=config)
+    with pytest.raises(ValueError, match="one int32"):
+        gemv_add_rms_norm(x, w, b, residual, norm_w, 1e-6, counter.long(), config=config)
+
+
 def test_gemv_refuses_what_it_cannot_do() -> None:
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"x \[1, K\]"):
@@ -34,6 +56,26 @@ def test_gemv_refuses_what_it_cannot_do() -> None:
         gemv(torch.randn(1, 15), w, config=(8, 16))
     with pytest.raises(ValueError, match="rows contiguous"):
         gemv(torch.randn(1, 8), w.t(), config=(8, 16))
+
+
+def test_linear_add_norm_only_through_its_gemv() -> None:
+    lin, calls = Linear(16, 8, bias=False), []
+
+    def fake(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r: torch.Tensor, nw: torch.Tensor, eps: float,
+             counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(tuple(x.shape))
+        return ops.add_rms_norm(torch.nn.functional.linear(x, w, b), r, nw, eps)
+
+    x, residual, norm_w = torch.randn(3, 16), torch.randn(3, 8), torch.rand(8)
+    want = ops.add_rms_norm(torch.nn.functional.linear(x, lin.weight), residual, norm_w, 1e-5)
+    for rows in (slice(0, 1), slice(0, 3)):  # without the kernel: the pair
+        got = lin.forward_add_norm(x[rows], residual[rows], norm_w, 1e-5, ops.add_rms_norm)
+        torch.testing.assert_close(got, (want[0][rows], want[1][rows]))
+    lin.gemv, lin.gemv_add_norm = lambda x, w, b: torch.nn.functional.linear(x, w, b), fake
+    for rows in (slice(0, 1), slice(0, 3)):
+        got = lin.forward_add_norm(x[rows], residual[rows], norm_w, 1e-5, ops.add_rms_norm)
+        torch.testing.assert_close(got, (want[0][rows], want[1][rows]))
+    assert calls == [(1, 16)]  # one row only
 
 
 class TwoShapes(nn.Module):
@@ -55,11 +97,12 @@ def test_choose_gemv_follows_the_timings_and_only_for_one_row() -> None:
         calls.append(tuple(w.shape))
         return torch.nn.functional.linear(x, w, b)
 
-    report = choose_gemv(model, fake_gemv, timer)
+    report = choose_gemv(model, fake_gemv, timer, gemv_add_norm=fake_gemv)
     assert sorted(timed) == [(8, 16), (24, 8)]
     assert report == {"8x16": {"gemv": True, "gemv_us": 1.0, "cublas_us": 2.0},
                       "24x8+bias": {"gemv": False, "gemv_us": 1.0, "cublas_us": 2.0}}
     assert model.a1.gemv is fake_gemv and model.a2.gemv is fake_gemv and model.b.gemv is None
+    assert model.a1.gemv_add_norm is fake_gemv and model.b.gemv_add_norm is None
     assert not hasattr(model.plain, "gemv")
     x = torch.randn(1, 16)
     torch.testing.assert_close(model.a1(x), torch.nn.functional.linear(x, model.a1.weight))
@@ -79,3 +122,21 @@ def test_gemv_equals_linear_gpu(n: int, k: int, bias: bool, dtype: torch.dtype) 
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(gemv(x, w, b).float(), ref, rtol=tol, atol=tol * k ** 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)])
+def test_gemv_add_rms_norm_is_the_unfused_pair_gpu(n: int, k: int) -> None:
+    """The GEMV then the add+norm kernel (bf16), at the 1B and 8B o/down shapes: the residual bit for
+    bit; the normalised row to an ulp (the sum of squares is reduced by another number of warps)."""
+    w, _ = weights(n, k, False, torch.bfloat16, "cuda")
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(1, n, device="cuda").to(torch.bfloat16)
+    norm_w = (torch.rand(n, device="cuda") + 0.5).to(torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    want = add_rms_norm(gemv(x, w), residual, norm_w, 1e-5)
+    for _ in range(3):
+        got = gemv_add_rms_norm(x, w, None, residual, norm_w, 1e-5, counter)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    assert counter.item() == 0
