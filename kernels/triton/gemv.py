@@ -22,7 +22,8 @@ from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
 # the fp32 accumulator is a whole tile: at most 32 registers a thread (4 warps up to 4k elements, 8 above)
 CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4 if bn * bk <= 4096 else 8, num_stages=stages)
-    for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256)) for stages in (3, 4)
+    for bn, bk in ((4, 512), (8, 256), (8, 512), (16, 256), (16, 512), (32, 256),
+                   (4, 1024), (8, 1024), (32, 128), (64, 128)) for stages in (3, 4)
 ]
 
 
