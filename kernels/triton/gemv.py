@@ -66,15 +66,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         # add_rms_norm would do in a kernel of its own); y is read back past L1 (other SMs wrote it)
         tl.debug_barrier()  # every thread's stores precede the count (the atomic releases them at gpu scope)
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            cols = tl.arange(0, BLOCK_NORM)
-            mask = cols < N
-            y = tl.load(y_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            r = tl.load(r_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            ncols = tl.arange(0, BLOCK_NORM)
+            nmask = ncols < N
+            yrow = tl.load(y_ptr + ncols, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            rrow = tl.load(r_ptr + ncols, mask=nmask, other=0.0).to(tl.float32)
             res_dtype = r_out_ptr.dtype.element_ty
-            res = (y + r).to(res_dtype)  # rounded before it is normalised, as add_rms_norm does
-            tl.store(r_out_ptr + cols, res, mask=mask)
-            out = _normalize(res.to(tl.float32), norm_w_ptr, cols, mask, N, eps, res_dtype)
-            tl.store(norm_out_ptr + cols, out.to(norm_out_ptr.dtype.element_ty), mask=mask)
+            res = (yrow + rrow).to(res_dtype)  # rounded before it is normalised, as add_rms_norm does
+            tl.store(r_out_ptr + ncols, res, mask=nmask)
+            out = _normalize(res.to(tl.float32), norm_w_ptr, ncols, nmask, N, eps, res_dtype)
+            tl.store(norm_out_ptr + ncols, out.to(norm_out_ptr.dtype.element_ty), mask=nmask)
             tl.store(counter_ptr, 0)
 
 
