@@ -49,10 +49,10 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
         return TORCH_OPS
     from modeserve.kernels.triton import ops as triton_ops
     from modeserve.kernels.triton.argmax import argmax
-    from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm, gemv_is_faster
+    from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
     from modeserve.kernels.triton.rotary import store_kv
     from modeserve.kernels.triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,
-                     gemv, gemv_is_faster, gemv_add_rms_norm)
+                     gemv, gemv_keeps_up, gemv_add_rms_norm)

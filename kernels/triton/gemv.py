@@ -139,13 +139,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     _gemv_autotuned[grid](*args, **flags)
 
 
-def gemv_is_faster(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int = 50) -> tuple[bool, float, float]:
+def gemv_keeps_up(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int = 50) -> tuple[bool, float, float]:
     """Time ``gemv`` (autotuned) and ``torch.nn.functional.linear`` on one row with this weight, each
     in a CUDA graph of ``repeats`` calls on copies of the weight past L2 (``cold_weight_seconds``):
-    (gemv faster by more than 3%, gemv µs, linear µs)."""
+    (gemv at most 3% slower, gemv µs, linear µs). A tie goes to the GEMV: in a decode step it also
+    launches with PDL (cuBLAS serialises the kernels around it) and can carry the add+norm epilogue,
+    which a call timed alone does not see (an 8B step on an H200 took 4.42 ms with cuBLAS for
+    gate_up, 1.5% faster alone, against 4.21 ms with the GEMV)."""
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     times = []
     for fn in (lambda w: gemv(x, w, bias), lambda w: torch.nn.functional.linear(x, w, bias)):
         fn(weight)  # autotunes / picks a cuBLAS kernel outside the graph
         times.append(cold_weight_seconds(fn, weight, repeats) * 1e6)
-    return times[0] < 0.97 * times[1], times[0], times[1]
+    return times[0] <= 1.03 * times[1], times[0], times[1]

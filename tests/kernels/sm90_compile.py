@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -117,11 +118,25 @@ def _calls() -> None:
                                           3, 0.1, window)
 
 
-def main() -> int:
+@triton.jit
+def _reshaped_in_branch(x_ptr):
+    """Runs in the interpreter; Triton's compiler refuses it (cols changes shape inside a runtime if)."""
+    cols = tl.arange(0, 16)
+    x = tl.load(x_ptr + cols)
+    if tl.load(x_ptr) > 0:
+        cols = tl.arange(0, 32)
+        tl.store(x_ptr + cols, tl.zeros([32], dtype=tl.float32))
+    tl.store(x_ptr + tl.arange(0, 16), x)
+
+
+def main(argv: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run with TRITON_INTERPRET unset: the interpreter makes no JIT functions")
     with Recorder() as recorder:
-        _calls()
+        if "--self-check" in argv:
+            _reshaped_in_branch[(1,)](torch.zeros(32))
+        else:
+            _calls()
     failed = 0
     for fn, args, kwargs in recorder.launches:
         try:
@@ -135,4 +150,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
