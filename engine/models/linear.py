@@ -23,7 +23,7 @@ AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torc
 
 
 class Linear(nn.Linear):
-    gemv: Gemv | None = None  # set on an instance when the kernel measured faster for its shape
+    gemv: Gemv | None = None  # set on an instance when the timer chose the kernel for its shape
     gemv_add_norm: GemvAddNorm | None = None  # set with ``gemv`` where the kernel has the add+norm epilogue
     _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap)
 
@@ -46,7 +46,7 @@ class Linear(nn.Linear):
 def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer,
                 gemv_add_norm: GemvAddNorm | None = None) -> dict[str, dict[str, float | bool]]:
     """Time each distinct (weight shape, bias, dtype) of the model's ``Linear`` layers once and give
-    the layers whose shape was faster with ``gemv`` that kernel (and ``gemv_add_norm``, its variant
+    the layers whose shape the timer chose ``gemv`` for that kernel (and ``gemv_add_norm``, its variant
     with the add+norm epilogue); returns the timings by shape."""
     timed: dict[tuple[tuple[int, ...], bool, torch.dtype], tuple[bool, float, float]] = {}
     for module in model.modules():

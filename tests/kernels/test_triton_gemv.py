@@ -1,5 +1,5 @@
 """The one-row GEMV kernel equals ``torch.nn.functional.linear``; ``choose_gemv`` gives it exactly to
-the layers whose weight shape it measured faster, and ``Linear`` uses it only for one-row inputs.
+the layers whose weight shape its timer chose, and ``Linear`` uses it only for one-row inputs.
 Without a GPU the kernel runs in Triton's CPU interpreter with a fixed tile."""
 
 from __future__ import annotations
