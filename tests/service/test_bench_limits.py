@@ -49,3 +49,15 @@ def test_linear_report_gpu() -> None:
     assert report["4096x4096"]["calls_per_step"] == 2 and report["14336x4096"]["calls_per_step"] == 1
     for row in report.values():
         assert 0 < row["bound_us"] and 0 < row["ratio"] <= 1.15, row  # reads may beat the copy rate a little
+        assert set(row["split_k_us"]) == {"2", "4"} and all(t > 0 for t in row["split_k_us"].values()), row
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_split_k_linear_is_the_product(splits: int) -> None:
+    from modeserve.service.bench_linear import split_k_linear
+
+    g = torch.Generator().manual_seed(splits)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(24, 64, generator=g)
+    torch.testing.assert_close(split_k_linear(x, w, splits), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of splits"):
+        split_k_linear(x[:, :63], w[:, :63], 2)
