@@ -163,10 +163,12 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     assert all(len(s.links) == 1 for s in mixed)  # the other request of the step
 
 
-def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_model: Path) -> None:
+def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_model: Path, tmp_path: Path) -> None:
     """``modeserve serve`` as a subprocess with OTEL_EXPORTER_OTLP_ENDPOINT: the client's span is the
     parent of the request span, whose step spans carry their modes; /metrics scraped while requests
-    run, and after, matches the per-mode statistics ModelInfo reports."""
+    run, and after, matches the per-mode statistics ModelInfo reports. (Once, on an overloaded
+    machine, the process had not exited 30 s after SIGTERM; a process that hangs now leaves every
+    thread's stack in the failure.)"""
     import os
     import signal
     import socket
@@ -183,7 +185,8 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "serve", "--model", str(tiny_model),
                              "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
                              "--chunked-prefill-size", "8", "--enable-mixed"],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+                            stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -223,7 +226,13 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
         assert any(0 < m < after["DECODE"] for m in mids), mids  # scraped mid-run: counters were moving
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to stderr
+            proc.wait(timeout=30)
+            raise AssertionError("no exit 30 s after SIGTERM:\n" + (tmp_path / "stderr").read_text()[-20000:])
+        assert code == 0, (tmp_path / "stderr").read_text()[-5000:]
     trace_id = client_span.get_span_context().trace_id.to_bytes(16, "big")
     mine = [s for _, s in receiver.spans if s.trace_id == trace_id]
     request = next(s for s in mine if s.name.startswith("text_completion"))
