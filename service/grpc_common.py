@@ -91,7 +91,11 @@ def serve_until_signal(srv: GrpcServer, grace: float, on_stop: Callable[[], None
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    stop.wait()
+    # Python runs signal handlers in the main thread, but the kernel may deliver SIGTERM to any thread
+    # (gRPC's, torch's); a main thread blocked in an untimed wait is then never woken to run the
+    # handler and the process ignores SIGTERM. A timed wait returns to the interpreter, which runs it.
+    while not stop.wait(timeout=0.2):
+        pass
     if on_stop is not None:
         on_stop()
     srv.shutdown(grace).wait()

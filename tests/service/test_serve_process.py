@@ -73,3 +73,27 @@ def test_startup_heap_is_frozen_before_serving() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     before, tracked, frozen = (int(x) for x in out)
     assert before > 50_000 and frozen > 0.8 * before and tracked < 0.01 * before
+
+
+_SIGTERM_TO_ANOTHER_THREAD = """
+import signal, threading, time
+from modeserve.service.grpc_common import create_grpc_server, serve_until_signal
+
+def send() -> None:
+    while signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # until the handler is installed
+        time.sleep(0.01)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # delivered to this thread, not the main one
+
+threading.Thread(target=send, daemon=True).start()
+print("exited", serve_until_signal(create_grpc_server("127.0.0.1:0", [], []), grace=1.0), flush=True)
+"""
+
+
+def test_sigterm_delivered_to_another_thread_still_stops_the_server() -> None:
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler in the
+    main thread only when that thread next runs bytecode. A serve process once ignored SIGTERM this
+    way (its main thread blocked in an untimed wait); here the signal goes to a helper thread on
+    purpose."""
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_TO_ANOTHER_THREAD], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0 and "exited 0" in done.stdout, done.stderr[-3000:]
