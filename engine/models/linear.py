@@ -25,7 +25,8 @@ AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torc
 class Linear(nn.Linear):
     gemv: Gemv | None = None  # set on an instance when the timer chose the kernel for its shape
     gemv_add_norm: GemvAddNorm | None = None  # set with ``gemv`` where the kernel has the add+norm epilogue
-    _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap)
+    _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap),
+    # allocated with ``gemv_add_norm`` by ``choose_gemv``, outside any graph capture
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
@@ -37,8 +38,6 @@ class Linear(nn.Linear):
         """``add_rms_norm(self(x), residual, norm_weight, eps)``: (normalised, new residual); a one-row x
         through the GEMV kernel adds and normalises in the kernel's last program (no separate launch)."""
         if self.gemv_add_norm is not None and x.dim() == 2 and x.shape[0] == 1 and residual.is_contiguous():
-            if self._counter is None:
-                self._counter = torch.zeros(1, dtype=torch.int32, device=x.device)
             return self.gemv_add_norm(x, self.weight, self.bias, residual, norm_weight, eps, self._counter)
         return add_rms_norm(self(x), residual, norm_weight, eps)
 
@@ -57,7 +56,7 @@ def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer,
             timed[key] = timer(module.weight, module.bias)
         module.gemv = gemv if timed[key][0] else None
         module.gemv_add_norm = gemv_add_norm if timed[key][0] else None
-        if module.gemv_add_norm is not None:  # allocated here, outside any graph capture
+        if module.gemv_add_norm is not None:
             module._counter = torch.zeros(1, dtype=torch.int32, device=module.weight.device)
     report = {f"{shape[0]}x{shape[1]}" + ("+bias" if bias else ""): {"gemv": use, "gemv_us": round(g, 2),
                                                                      "cublas_us": round(c, 2)}

@@ -92,13 +92,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                               cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
-        meta = self._meta
-        if not isinstance(meta, _DecodeMeta):
+        if not isinstance(self._meta, _DecodeMeta):
             return None
+        return self._decode(q, layer_id, self._meta, DecodeRotary(k, v, positions, cos_sin, self._out_cache_loc))
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta,
+                rotary: DecodeRotary | None = None) -> torch.Tensor:
         return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
                                 meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
-                                self._num_kv_splits, self._counters,
-                                DecodeRotary(k, v, positions, cos_sin, self._out_cache_loc))
+                                self._num_kv_splits, self._counters, rotary)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -108,8 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         meta = self._meta
         if isinstance(meta, _DecodeMeta):
-            return decode_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                                    self.scale, self.sliding_window, self._num_kv_splits, self._counters)
+            return self._decode(q, layer_id, meta)
         if isinstance(meta, _ExtendMeta):
             return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,
                                     meta.prefix_lens, meta.extend_lens, meta.max_extend_len, self.scale,

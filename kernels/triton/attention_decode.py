@@ -101,18 +101,14 @@ def _decode_split_kernel(
         cos = tl.load(cs, mask=mask_d, other=0.0)
         sin = tl.load(cs + HEAD_DIM // 2, mask=mask_d, other=0.0)
         q_partner = tl.load(q_rows + partner[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        cos_q, sin_q = _round(cos, q.dtype)[None, :], _round(sin, q.dtype)[None, :]
-        q = (_round(q.to(tl.float32) * cos_q, q.dtype) + sign[None, :]
-             * _round(q_partner.to(tl.float32) * sin_q, q.dtype)).to(q.dtype)
+        q = _rotate(q, q_partner, cos[None, :], sin[None, :], sign[None, :]).to(q.dtype)
         if (lo <= newest) & (newest < hi):
             # this program's slice holds this step's key: it rotates it, attends to it first (so no
             # block of the loop below is all masked) and is the one that stores the step's k/v
             k_row = k_new_ptr + b.to(tl.int64) * stride_knb + kv_head * stride_knh
-            k_dtype = k_new_ptr.dtype.element_ty
-            cos_k, sin_k = _round(cos, k_dtype), _round(sin, k_dtype)
-            k_new = (_round(tl.load(k_row + offs_d, mask=mask_d, other=0.0).to(tl.float32) * cos_k, k_dtype) + sign
-                     * _round(tl.load(k_row + partner, mask=mask_d, other=0.0).to(tl.float32) * sin_k, k_dtype))
-            k_new = k_new.to(k_dtype).to(k_ptr.dtype.element_ty)
+            k_new = _rotate(tl.load(k_row + offs_d, mask=mask_d, other=0.0),
+                            tl.load(k_row + partner, mask=mask_d, other=0.0), cos, sin, sign)
+            k_new = k_new.to(k_new_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
             v_new = tl.load(v_new_ptr + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh + offs_d, mask=mask_d,
                             other=0.0).to(v_ptr.dtype.element_ty)
             slot = tl.load(loc_ptr + b).to(tl.int64)
@@ -152,6 +148,14 @@ def _decode_split_kernel(
         _merge_slices(o_base, lse_base, out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh
                       + offs_d[None, :], stride_os, mask_h, head_mask, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S)
         tl.store(counter, 0)
+
+
+@triton.jit
+def _rotate(x, x_partner, cos, sin, sign):
+    """Neox rotate-half of rows loaded whole (``x_partner``: x at each column's partner, ``sign``: -1 on
+    the first half), each product rounded to x's dtype as the rotary kernel computes it; fp32 out."""
+    cos_x, sin_x = _round(cos, x.dtype), _round(sin, x.dtype)
+    return _round(x.to(tl.float32) * cos_x, x.dtype) + sign * _round(x_partner.to(tl.float32) * sin_x, x.dtype)
 
 
 @triton.jit
