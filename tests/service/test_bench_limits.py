@@ -35,20 +35,25 @@ def test_llama_8b_roofline_by_hand() -> None:
 
 @pytest.mark.gpu
 def test_linear_report_gpu() -> None:
-    """Every distinct weight shape once, with how often a step calls it; no layer beats its bound."""
+    """Every distinct weight shape once, with how often a step calls it; no layer beats its bound.
+
+    The bound is taken from the H200's data-sheet peaks (4.8 TB/s HBM, 989 TFLOP/s dense bf16), not
+    from rates measured here: the GPU tests run in parallel, and rates measured on a shared GPU came out
+    low (a 440 TFLOP/s matmul rate once made a 43 µs GEMM look 1.59x faster than its bound)."""
     from torch import nn
 
-    from modeserve.service.bench_limits import copy_bandwidth, matmul_rate
     from modeserve.service.bench_linear import linear_report
 
     dev = torch.device("cuda")
     model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False),
                           nn.Linear(4096, 14336, bias=False)).to(dev, torch.bfloat16)
-    report = linear_report(model, 256, copy_bandwidth(dev), matmul_rate(dev))
+    report = linear_report(model, 256, 4.8e12, 989e12)
     assert sorted(report) == ["14336x4096", "4096x4096"]
     assert report["4096x4096"]["calls_per_step"] == 2 and report["14336x4096"]["calls_per_step"] == 1
-    for row in report.values():
-        assert 0 < row["bound_us"] and 0 < row["ratio"] <= 1.15, row  # reads may beat the copy rate a little
+    for shape, row in report.items():
+        n, k = map(int, shape.split("x"))
+        assert row["bound_us"] == pytest.approx(max(2 * n * k / 4.8e12, 2 * 256 * n * k / 989e12) * 1e6, abs=0.01)
+        assert 0 < row["ratio"] <= 1.0, row
         assert set(row["split_k_us"]) == {"2", "4"} and all(t > 0 for t in row["split_k_us"].values()), row
 
 
