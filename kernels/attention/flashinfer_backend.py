@@ -56,16 +56,6 @@ def decode_uses_tensor_cores(group_size: int) -> bool:
     return group_size >= 4
 
 
-def graph_decode_splits_kv(rows: int, num_kv_heads: int, num_sms: int) -> bool:
-    """Whether a CUDA-graph DECODE bucket of ``rows`` rows keeps FlashInfer's split-KV path (tensor-core
-    kernel). Its scheduler gives each SM two CTAs and splits a request's KV only while the requests
-    fit in ``2 * num_sms // num_kv_heads`` of them; past that it never splits, yet a graph-mode plan
-    still runs every row through the partial-output buffer and a merge kernel (one chunk a row: a
-    copy). Those buckets plan with split-KV off, the same partition without the merge: 206 µs of
-    a 16.4 ms step at 256 rows on the 8B shape (H200, 132 SMs)."""
-    return rows <= 2 * num_sms // num_kv_heads
-
-
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
                  decode_tensor_cores: bool | None = None) -> None:
@@ -77,7 +67,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         if decode_tensor_cores is None:
             decode_tensor_cores = decode_uses_tensor_cores(num_heads // kv_cache.num_kv_heads)
         self._tensor_cores = decode_tensor_cores
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                                      use_tensor_cores=decode_tensor_cores)
@@ -121,7 +110,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
             paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev))
         self._graph_wrappers[bs] = wrapper
-        self._plan_decode(bs, torch.arange(bs + 1, dtype=torch.int32),
+        self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32),
                           torch.zeros(bs, dtype=torch.int32, device=dev), torch.ones(bs, dtype=torch.int32))
         self._wrapper, self._out_cache_loc = wrapper, static.out_cache_loc
 
@@ -129,17 +118,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Plan the real rows, padded to ``bs`` with one-token rows on page 0."""
         indptr, indices, last = page_table(inputs, self.kv_cache.page_size, pad_to=bs)
         dev = self.kv_cache.k[0].device
-        self._plan_decode(bs, _pinned(indptr), _pinned(indices).to(dev, non_blocking=True), _pinned(last))
+        self._plan_decode(self._graph_wrappers[bs], _pinned(indptr), _pinned(indices).to(dev, non_blocking=True),
+                          _pinned(last))
         self._wrapper = self._graph_wrappers[bs]
 
-    def _plan_decode(self, bs: int, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
-        """Plan bucket ``bs``'s wrapper; split-KV by bucket alone, so capture and replays agree."""
+    def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
         kv = self.kv_cache
-        no_split = self._tensor_cores and not graph_decode_splits_kv(bs, kv.num_kv_heads, self._num_sms)
-        self._graph_wrappers[bs].plan(  # type: ignore[attr-defined]
-            indptr, indices, last, num_qo_heads=self.num_heads, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-            page_size=kv.page_size, window_left=self._window_left, sm_scale=self.scale, q_data_type=kv.dtype,
-            kv_data_type=kv.dtype, disable_split_kv=no_split)
+        wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads,  # type: ignore[attr-defined]
+                     num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,
+                     window_left=self._window_left, sm_scale=self.scale, q_data_type=kv.dtype, kv_data_type=kv.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:
