@@ -123,6 +123,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = self._graph_wrappers[bs]
 
     def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        """Split-KV stays on in every bucket, although past 2 CTAs x SMs / kv heads rows FlashInfer never
+        splits and the graph's merge kernel only copies: planned without split-KV, the 8B batch-256
+        step measured 17.84 ms against 16.36 ms (the attention kernel itself ran 10% slower)."""
         kv = self.kv_cache
         wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads,  # type: ignore[attr-defined]
                      num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,
