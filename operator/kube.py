@@ -2,7 +2,8 @@
 (no generated models), so the objects the builders make go out unchanged.
 
 Writes are JSON merge patches (``application/merge-patch+json``): a list is replaced as a whole, so
-the operator's lists (containers, ports, env) are exactly what the builders produce.
+the operator's lists (containers, ports, env) are exactly what the builders produce, and a key a build
+no longer has is patched away by ``apply`` (``operator.apply``: the last build rides on the object).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from urllib.parse import quote
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+
+from modeserve.operator.apply import annotated, last_applied, removals, still_present, with_removals
 
 Obj = dict[str, Any]
 PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",
@@ -114,11 +117,15 @@ class Kube:
         return True
 
     def apply(self, obj: Obj) -> tuple[Obj, str]:
-        """Create ``obj`` or merge-patch it in; ("created" | "patched" | "unchanged") beside the result."""
+        """Create ``obj`` or merge-patch it in, removing what the last applied build had and ``obj`` has
+        not (``operator.apply``); ("created" | "patched" | "unchanged") beside the result."""
         meta = obj["metadata"]
+        desired = annotated(obj)
         existing = self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is None:
-            return self.create(obj), "created"
-        if contains(existing, obj):
+            return self.create(desired), "created"
+        nulls = removals(last_applied(existing), obj)
+        if contains(existing, desired) and not still_present(existing, nulls):
             return existing, "unchanged"
-        return self.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], obj), "patched"
+        patch = with_removals(desired, nulls)
+        return self.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch), "patched"

@@ -302,6 +302,27 @@ async def test_scale_subresource_scales_up_at_once(harness: Harness) -> None:
     assert sts["spec"]["template"] == template  # unchanged: the ranks that stay are not restarted
 
 
+async def test_fields_removed_from_the_spec_leave_the_statefulset(harness: Harness) -> None:
+    """A node selector, tolerations and a GPU limit taken out of the EngineSet are taken out of the
+    engine pods' template too (a merge patch keeps what it does not null); the rest stays."""
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    await harness.create(replicas=1, nodeSelector={"gpu": "h200", "zone": "a"}, tolerations=[toleration],
+                         resources={"limits": {"nvidia.com/gpu": "1"}})
+
+    def pod_spec() -> dict[str, Any]:
+        return harness.statefulset()["spec"]["template"]["spec"]  # type: ignore[index]
+    await eventually(lambda: pod_spec()["nodeSelector"] == {"gpu": "h200", "zone": "a"})
+    assert pod_spec()["tolerations"] == [toleration]
+    assert pod_spec()["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    await harness.patch(f"{ES_PATH}/{NAME}", {"spec": {"nodeSelector": {"zone": None}, "tolerations": None,
+                                                       "resources": None}})
+    await eventually(lambda: pod_spec()["nodeSelector"] == {"gpu": "h200"})
+    await eventually(lambda: "tolerations" not in pod_spec() and pod_spec()["containers"][0]["resources"] == {})
+    assert pod_spec()["containers"][0]["image"] == "modeserve:test" and harness.replicas() == 1
+    await harness.patch(f"{ES_PATH}/{NAME}", {"spec": {"nodeSelector": None}})
+    await eventually(lambda: "nodeSelector" not in pod_spec())
+
+
 async def test_scale_down_drains_before_the_statefulset_shrinks(harness: Harness) -> None:
     await harness.create(replicas=3)
     for rank in range(3):
