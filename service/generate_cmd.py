@@ -36,13 +36,13 @@ def run(args: argparse.Namespace) -> int:
     from modeserve.engine import LLM, SamplingParams
     from modeserve.engine.tokenizer import IncrementalDetokenizer
 
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)  # bad values: said before loading
     update, close = load_progress("loading weights")
     try:
         llm = LLM(model=args.model, progress=update, **engine_kwargs(args))
     finally:
         close()
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     req = llm.make_request(llm.encode(args.prompt, chat=args.chat), sp)
     llm.add_request(req)
     assert llm.tokenizer is not None

@@ -28,6 +28,12 @@ def test_bad_input_is_a_clear_error() -> None:
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bad_sampling_values_are_refused_before_the_model_loads() -> None:
+    proc = modeserve("generate", "hi", "--top-p", "1.5", "--model", "/nonexistent/model")
+    assert proc.returncode == 2
+    assert "top_p must be in (0, 1], got 1.5" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_offline_prints_json_with_peer_ratio(tmp_path: Path) -> None:
     proc = modeserve("bench", "offline", "--num-prompts", "3", "--new-tokens", "4", "--max-prompt-tokens", "40",
                      "--min-prompt-tokens", "8")
