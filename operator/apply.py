@@ -19,6 +19,27 @@ Obj = dict[str, Any]
 LAST_APPLIED = "modeserve.io/last-applied"
 
 
+def merge_patch(live: Mapping[str, Any], built: Obj) -> Obj | None:
+    """The merge patch that makes ``live`` hold ``built`` (annotated) and drops what the last applied
+    build had and ``built`` has not; None when there is nothing to change."""
+    desired = annotated(built)
+    nulls = removals(last_applied(live), built)
+    if contains(live, desired) and not still_present(live, nulls):
+        return None
+    return with_removals(desired, nulls)
+
+
+def contains(actual: Any, wanted: Any) -> bool:
+    """``wanted`` is already part of ``actual`` (dicts: every key recursively; lists: same length,
+    item by item), so patching would change nothing. Fields the server adds are ignored."""
+    if isinstance(wanted, Mapping):
+        return isinstance(actual, Mapping) and all(k in actual and contains(actual[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(actual, list) and len(actual) == len(wanted) and all(
+            contains(a, w) for a, w in zip(actual, wanted))
+    return bool(actual == wanted)
+
+
 def annotated(built: Obj) -> Obj:
     """``built`` with its own compact JSON in ``metadata.annotations[LAST_APPLIED]``."""
     out = copy.deepcopy(built)

@@ -17,7 +17,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from modeserve.operator.apply import annotated, last_applied, removals, still_present, with_removals
+from modeserve.operator.apply import annotated, merge_patch
 
 Obj = dict[str, Any]
 PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",
@@ -35,17 +35,6 @@ def object_path(api_version: str, kind: str, namespace: str, name: str | None = 
     if subresource is not None:
         path += f"/{subresource}"
     return path
-
-
-def contains(actual: Any, wanted: Any) -> bool:
-    """``wanted`` is already part of ``actual`` (dicts: every key recursively; lists: same length,
-    item by item), so patching would change nothing. Fields the server adds are ignored."""
-    if isinstance(wanted, Mapping):
-        return isinstance(actual, Mapping) and all(k in actual and contains(actual[k], v) for k, v in wanted.items())
-    if isinstance(wanted, list):
-        return isinstance(actual, list) and len(actual) == len(wanted) and all(
-            contains(a, w) for a, w in zip(actual, wanted))
-    return bool(actual == wanted)
 
 
 class Kube:
@@ -120,12 +109,10 @@ class Kube:
         """Create ``obj`` or merge-patch it in, removing what the last applied build had and ``obj`` has
         not (``operator.apply``); ("created" | "patched" | "unchanged") beside the result."""
         meta = obj["metadata"]
-        desired = annotated(obj)
         existing = self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is None:
-            return self.create(desired), "created"
-        nulls = removals(last_applied(existing), obj)
-        if contains(existing, desired) and not still_present(existing, nulls):
+            return self.create(annotated(obj)), "created"
+        patch = merge_patch(existing, obj)
+        if patch is None:
             return existing, "unchanged"
-        patch = with_removals(desired, nulls)
         return self.patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch), "patched"

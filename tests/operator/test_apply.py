@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from modeserve.operator.apply import LAST_APPLIED, annotated, last_applied, removals, still_present, with_removals
 from modeserve.operator.kube import Kube
@@ -90,8 +91,6 @@ class RecordingKube(Kube):
         key = path if method != "POST" else f"{path}/{body['metadata']['name']}"
         if method == "GET":
             if key not in self.store:
-                from kubernetes.client.exceptions import ApiException
-
                 raise ApiException(status=404)
             return copy.deepcopy(self.store[key])
         self.writes.append((method, json.loads(json.dumps(body))))
