@@ -220,11 +220,15 @@ class DecodeRotary(NamedTuple):
             raise ValueError("rotary positions/loc must be [B] and cos_sin [max_pos, head_dim]")
 
 
-def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
-    """Splits per (request, kv head) so that stage 1 has about two programs per SM; 1 for big batches.
-    (``bench attention`` on an H200 at batch 1: 32 splits took 10.64 against 16's 10.96 µs per layer
-    at head_dim 128, 8.56 against 9.02 at head_dim 64, gains near the run-to-run spread of about 5%;
-    at batch 64 one split beat 4 and 32 clearly: 82 against 91 and 121 µs.)
+def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 12) -> int:
+    """Splits per (request, kv head) so that stage 1 has about two programs per SM, at most
+    ``max_splits``; 1 for big batches. The cap: the program that merges reads back every split, so
+    past a dozen the merge's tail costs more than shorter slices save. Measured on an H200 at batch 1
+    (32 query / 8 kv heads, head_dim 128), ``bench attention``, µs per layer for 8/12/17/24/32
+    splits: 13.74/11.83/13.87/14.49/16.12 at 640 tokens, 15.16/13.27/14.21/15.41/16.49 at 1024; in
+    the 8B batch-1 decode step (512 + 256 tokens) 12 splits took 4.085 ms against 4.211 with 32 and
+    4.158 with 17 (three runs each, alternating, one call; 32 was the cap before). At batch 64 one
+    split beat 4 and 32 clearly: 82 against 91 and 121 µs.
 
     Depends only on the batch size and heads, so a captured graph and an eager step agree."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
