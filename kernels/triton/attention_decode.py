@@ -226,9 +226,9 @@ def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.devi
     past a dozen the merge's tail costs more than shorter slices save. Measured on an H200 at batch 1
     (32 query / 8 kv heads, head_dim 128), ``bench attention``, µs per layer for 8/12/17/24/32
     splits: 13.74/11.83/13.87/14.49/16.12 at 640 tokens, 15.16/13.27/14.21/15.41/16.49 at 1024; in
-    the 8B batch-1 decode step (512 + 256 tokens) 12 splits took 4.085 ms against 4.211 with 32 and
-    4.158 with 17 (three runs each, alternating, one call; 32 was the cap before). At batch 64 one
-    split beat 4 and 32 clearly: 82 against 91 and 121 µs.
+    the 8B batch-1 decode step (512 + 256 tokens) 12 splits took 4.085 ms against 4.211 with 32 (three
+    runs each) and 4.158 with 17 (two), alternating in one call; 32 was the cap before. At batch 64
+    one split beat 4 and 32 clearly: 82 against 91 and 121 µs.
 
     Depends only on the batch size and heads, so a captured graph and an eager step agree."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
