@@ -14,11 +14,31 @@ from modeserve.engine.forward_mode import ForwardMode
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.kernels.graph_timing import graph_replay_seconds
+from modeserve.kernels.triton.attention_decode import DecodeTiles
 from modeserve.service.bench_limits import copy_bandwidth, device_name
 
-# FlashInfer with its decode kernel forced either way or by the default rule; triton, or triton@N
-# with N decode splits per (request, kv head) instead of the default
-BACKENDS = ("flashinfer", "flashinfer-tensor-cores", "flashinfer-cuda-cores", "triton", "triton@N", "torch")
+# FlashInfer with its decode kernel forced either way or by the default rule; triton, or
+# triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]]: decode splits per (request, kv head) and the kernel's launch
+# shape instead of the defaults (an empty part keeps its default: triton@:64:8:2)
+BACKENDS = ("flashinfer", "flashinfer-tensor-cores", "flashinfer-cuda-cores", "triton",
+            "triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]]", "torch")
+
+
+def parse_triton_variant(name: str) -> tuple[int | None, DecodeTiles | None]:
+    """``triton`` or ``triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]]`` -> (splits, tiles); None: the default."""
+    spec = name.removeprefix("triton").removeprefix("@")
+    parts = spec.split(":") if spec else []
+    if len(parts) > 4 or not all(p == "" or p.isdigit() for p in parts):
+        raise ValueError(f"{name!r}: want triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]] with integers")
+    values = [int(p) if p else None for p in parts] + [None] * (4 - len(parts))
+    splits, block_n, warps, stages = values
+    if splits == 0:
+        raise ValueError(f"{name!r}: splits must be at least 1")
+    if block_n is None and warps is None and stages is None:
+        return splits, None
+    tiles = DecodeTiles(DecodeTiles().block_n if block_n is None else block_n, warps, stages)
+    tiles.check()
+    return splits, tiles
 
 
 def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:
@@ -31,8 +51,8 @@ def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:
     if name == "triton" or name.startswith("triton@"):
         from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
 
-        splits = int(name.removeprefix("triton@")) if "@" in name else None
-        return TritonAttentionBackend(kv, num_heads, scale, None, num_kv_splits=splits)
+        splits, tiles = parse_triton_variant(name)
+        return TritonAttentionBackend(kv, num_heads, scale, None, num_kv_splits=splits, decode_tiles=tiles)
     if name == "torch":
         from modeserve.kernels.attention.torch_backend import TorchAttentionBackend
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
 from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
+from modeserve.kernels.triton.attention_decode import DecodeRotary, DecodeTiles, decode_attention
 from modeserve.kernels.triton.attention_extend import extend_attention
 
 
@@ -39,10 +39,14 @@ class _ExtendMeta:
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
-                 num_kv_splits: int | None = None) -> None:
-        """``num_kv_splits``: decode splits per (request, kv head); None: ``default_num_kv_splits``."""
+                 num_kv_splits: int | None = None, decode_tiles: DecodeTiles | None = None) -> None:
+        """``num_kv_splits``: decode splits per (request, kv head); None: ``default_num_kv_splits``.
+        ``decode_tiles``: the decode kernel's launch shape; None: its default."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
+        if decode_tiles is not None:
+            decode_tiles.check()
         self._num_kv_splits = num_kv_splits
+        self._decode_tiles = decode_tiles
         self._device = kv_cache.k[0].device
         self._meta: _DecodeMeta | _ExtendMeta | None = None
         self._graph_rows: dict[int, tuple[_DecodeMeta, torch.Tensor]] = {}  # bucket -> its static rows, KV slots
@@ -100,7 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
                 rotary: DecodeRotary | None = None) -> torch.Tensor:
         return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
                                 meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
-                                self._num_kv_splits, self._counters, rotary)
+                                self._num_kv_splits, self._counters, rotary, self._decode_tiles)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

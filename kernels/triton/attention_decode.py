@@ -220,6 +220,24 @@ class DecodeRotary(NamedTuple):
             raise ValueError("rotary positions/loc must be [B] and cos_sin [max_pos, head_dim]")
 
 
+class DecodeTiles(NamedTuple):
+    """The decode kernel's launch shape: keys per loop step, warps per program (None: 4 up to head_dim
+    128, else 8) and software-pipeline stages (None: Triton's default). The defaults are what the
+    engine runs; ``bench attention`` times others (``triton@SPLITS:BLOCK_N:WARPS:STAGES``)."""
+
+    block_n: int = 32  # spill-free on sm_90 (bf16) for head_dim up to 256
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def check(self) -> None:
+        if self.block_n < 16 or self.block_n > 256 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages is not None and not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
+
+
 def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 12) -> int:
     """Splits per (request, kv head) so that stage 1 has about two programs per SM, at most
     ``max_splits``; 1 for big batches. The cap: the program that merges reads back every split, so
@@ -238,7 +256,8 @@ def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.devi
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, num_kv_splits: int | None = None,
-                     counters: torch.Tensor | None = None, rotary: DecodeRotary | None = None) -> torch.Tensor:
+                     counters: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
+                     tiles: DecodeTiles | None = None) -> torch.Tensor:
     """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64 (rows
     contiguous), req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
 
@@ -246,6 +265,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     buffer across calls and in CUDA graphs); None: allocated here.
     ``rotary``: q and the step's k are not rotated yet and its k/v are not in the cache: the kernel
     does what ``apply_rotary_and_store_kv`` would have done first (same numbers), in the same launch.
+    ``tiles``: the launch shape (None: ``DecodeTiles()``).
     A query sees keys at positions > seq_len - 1 - sliding_window (all of them without a window)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -253,6 +273,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
     if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be [max_reqs, max_context] int64 with contiguous rows")
+    tiles = tiles or DecodeTiles()
+    tiles.check()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -278,9 +300,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=32, BLOCK_D=block_d,  # spill-free on sm_90 (bf16) for head_dim up to 256
+        BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(splits),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROTARY=rotary is not None,
-        num_warps=4 if head_dim <= 128 else 8, **pdl_args(q.device),
+        num_warps=tiles.num_warps or (4 if head_dim <= 128 else 8),
+        **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}), **pdl_args(q.device),
     )
     return out

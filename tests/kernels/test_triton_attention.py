@@ -21,8 +21,9 @@ from modeserve.kernels.attention.base import (
     resolve_backend_name,
 )
 from modeserve.kernels.attention.kv_cache import KVCache
+from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
 from modeserve.kernels import ops
-from modeserve.kernels.triton.attention_decode import DecodeRotary, decode_attention
+from modeserve.kernels.triton.attention_decode import DecodeRotary, DecodeTiles, decode_attention
 
 from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts, teacher_forced_logits
 from tests.kernels.test_attention_backends import (
@@ -144,8 +145,8 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
 
 
 def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
-                        device: str, dtype: torch.dtype, tol: float) -> None:
-    """The decode kernel alone, against dense attention, for a split count and head shapes."""
+                        device: str, dtype: torch.dtype, tol: float, tiles: DecodeTiles | None = None) -> None:
+    """The decode kernel alone, against dense attention, for a split count, head shapes and launch shape."""
     g = torch.Generator().manual_seed((num_kv_splits or 0) + head_dim)
     seq = [1, 2, 37, 150, 64]
     num_slots = sum(seq) + 1
@@ -165,7 +166,7 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     outs = [decode_attention(
         q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
         table, torch.arange(1, len(seq) + 1, device=device).to(torch.int32),
-        torch.tensor(seq, device=device), scale, window, num_kv_splits, counters) for _ in range(2)]
+        torch.tensor(seq, device=device), scale, window, num_kv_splits, counters, tiles=tiles) for _ in range(2)]
     assert (counters == 0).all()  # the last slice of each (request, kv head) reset its counter
     assert torch.equal(outs[0], outs[1])  # a reused counter buffer merges again, in the same order
     out = outs[0]
@@ -181,7 +182,8 @@ def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads:
 
 
 def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                        window: int | None, device: str, dtype: torch.dtype, tol: float) -> None:
+                        window: int | None, device: str, dtype: torch.dtype, tol: float,
+                        tiles: DecodeTiles | None = None) -> None:
     """The decode kernel given the step's unrotated q/k/v (``DecodeRotary``) equals rotary + KV store
     (``ops.apply_rotary_and_store_kv``, the reference) followed by the plain kernel: the same output
     and the same cache afterwards, bit for bit."""
@@ -210,7 +212,7 @@ def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     scale = 1 / math.sqrt(head_dim)
     ref = decode_attention(q_rot, *ref_caches, table, rows, seq_lens, scale, window, num_kv_splits)
     out = decode_attention(q, *caches, table, rows, seq_lens, scale, window, num_kv_splits,
-                           rotary=DecodeRotary(k, v, positions, cos_sin, loc))
+                           rotary=DecodeRotary(k, v, positions, cos_sin, loc), tiles=tiles)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
     assert (out.double() - ref.double()).abs().max() < tol
 
@@ -253,6 +255,49 @@ def test_triton_decode_kernel_splits_and_heads(num_kv_splits: int, num_heads: in
 def test_decode_with_rotary_equals_rotary_then_decode(num_kv_splits: int, num_heads: int, num_kv_heads: int,
                                                       head_dim: int, window: int | None) -> None:
     check_decode_rotary(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize(("tiles", "num_kv_splits", "window"), [
+    (DecodeTiles(16, 2, 1), 3, None), (DecodeTiles(64, 8, 2), 1, 20), (DecodeTiles(128, None, 4), 2, None),
+])
+def test_decode_kernel_launch_shapes(tiles: DecodeTiles, num_kv_splits: int, window: int | None) -> None:
+    """Other keys-per-step blocks (one block per request up to many) give the same attention."""
+    check_decode_splits(num_kv_splits, 8, 2, 64, window, "cpu", torch.float32, 1e-4, tiles)
+    check_decode_rotary(num_kv_splits, 8, 2, 64, window, "cpu", torch.float32, 1e-5, tiles)
+
+
+def test_decode_tiles_must_be_valid() -> None:
+    q = torch.zeros(2, 4, 16)
+    cache = torch.zeros(3, 2, 16)
+    table = torch.zeros(2, 4, dtype=torch.int64)
+    rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    for bad, field in ((DecodeTiles(24), "block_n"), (DecodeTiles(512), "block_n"), (DecodeTiles(8), "block_n"),
+                       (DecodeTiles(32, 3), "num_warps"), (DecodeTiles(32, 4, 0), "num_stages")):
+        with pytest.raises(ValueError, match=field):
+            decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, tiles=bad)
+    with pytest.raises(ValueError, match="num_warps"):
+        TritonAttentionBackend(KVCache(1, 16, 2, 16, 1, torch.float32, torch.device("cpu")), 4, 0.25, None,
+                               decode_tiles=DecodeTiles(32, 5))
+
+
+def test_decode_launch_carries_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What reaches the kernel launch: the given block, warps and stages, or the defaults (4 warps up to
+    head_dim 128, Triton's own stage count: none passed)."""
+    import modeserve.kernels.triton.attention_decode as mod
+
+    launches: list[dict] = []
+
+    class Spy:
+        def __getitem__(self, grid: tuple) -> object:
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(mod, "_decode_split_kernel", Spy())
+    q, cache = torch.zeros(2, 4, 16), torch.zeros(3, 2, 16)
+    table, rows, lens = torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.ones(2)
+    decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, tiles=DecodeTiles(64, 8, 2))
+    decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2)
+    assert (launches[0]["BLOCK_N"], launches[0]["num_warps"], launches[0]["num_stages"]) == (64, 8, 2)
+    assert (launches[1]["BLOCK_N"], launches[1]["num_warps"], "num_stages" in launches[1]) == (32, 4, False)
 
 
 def test_decode_counters_must_fit() -> None:
@@ -315,6 +360,16 @@ def test_triton_long_extend_over_prefix_gpu(page_size: int, window: int | None) 
 def test_triton_decode_kernel_splits_and_heads_gpu(num_kv_splits: int | None, num_heads: int, num_kv_heads: int,
                                                    head_dim: int, window: int | None) -> None:
     check_decode_splits(num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cuda", torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [DecodeTiles(16, 4, 2), DecodeTiles(32, 4, 1), DecodeTiles(32, 8, 4),
+                                   DecodeTiles(64, 4, 2), DecodeTiles(64, 8, 3), DecodeTiles(128, 8, 2)])
+def test_decode_kernel_launch_shapes_gpu(tiles: DecodeTiles) -> None:
+    """The launch shapes ``bench attention`` compares compile for sm_90 and give the same attention."""
+    check_decode_splits(1, 32, 8, 128, None, "cuda", torch.bfloat16, 3e-2, tiles)
+    check_decode_splits(4, 32, 8, 128, 20, "cuda", torch.bfloat16, 3e-2, tiles)
+    check_decode_rotary(1, 32, 8, 128, None, "cuda", torch.bfloat16, 2e-2, tiles)
 
 
 @pytest.mark.gpu
