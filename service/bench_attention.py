@@ -36,9 +36,7 @@ def parse_triton_variant(name: str) -> tuple[int | None, DecodeTiles | None]:
         raise ValueError(f"{name!r}: splits must be at least 1")
     if block_n is None and warps is None and stages is None:
         return splits, None
-    tiles = DecodeTiles(DecodeTiles().block_n if block_n is None else block_n, warps, stages)
-    tiles.check()
-    return splits, tiles
+    return splits, DecodeTiles(num_warps=warps, num_stages=stages, **({} if block_n is None else {"block_n": block_n}))
 
 
 def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:

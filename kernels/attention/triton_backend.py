@@ -43,8 +43,6 @@ class TritonAttentionBackend(AttentionBackend):
         """``num_kv_splits``: decode splits per (request, kv head); None: ``default_num_kv_splits``.
         ``decode_tiles``: the decode kernel's launch shape; None: its default."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
-        if decode_tiles is not None:
-            decode_tiles.check()
         self._num_kv_splits = num_kv_splits
         self._decode_tiles = decode_tiles
         self._device = kv_cache.k[0].device

@@ -19,6 +19,7 @@ keeps the slot table's address: the engine's table is allocated once).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -220,16 +221,18 @@ class DecodeRotary(NamedTuple):
             raise ValueError("rotary positions/loc must be [B] and cos_sin [max_pos, head_dim]")
 
 
-class DecodeTiles(NamedTuple):
+@dataclass(frozen=True)
+class DecodeTiles:
     """The decode kernel's launch shape: keys per loop step, warps per program (None: 4 up to head_dim
     128, else 8) and software-pipeline stages (None: Triton's default). The defaults are what the
-    engine runs; ``bench attention`` times others (``triton@SPLITS:BLOCK_N:WARPS:STAGES``)."""
+    engine runs; ``bench attention`` times others (``triton@SPLITS:BLOCK_N:WARPS:STAGES``). A shape
+    the kernel cannot launch is refused when made (ValueError)."""
 
     block_n: int = 32  # spill-free on sm_90 (bf16) for head_dim up to 256
     num_warps: int | None = None
     num_stages: int | None = None
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n > 256 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two in [16, 256], got {self.block_n}")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
@@ -274,7 +277,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
         raise ValueError("req_to_token must be [max_reqs, max_context] int64 with contiguous rows")
     tiles = tiles or DecodeTiles()
-    tiles.check()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out

@@ -271,10 +271,10 @@ def test_decode_tiles_must_be_valid() -> None:
     cache = torch.zeros(3, 2, 16)
     table = torch.zeros(2, 4, dtype=torch.int64)
     rows, lens = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
-    for bad, field in ((DecodeTiles(24), "block_n"), (DecodeTiles(512), "block_n"), (DecodeTiles(8), "block_n"),
-                       (DecodeTiles(32, 3), "num_warps"), (DecodeTiles(32, 4, 0), "num_stages")):
+    for bad, field in (((24,), "block_n"), ((512,), "block_n"), ((8,), "block_n"),
+                       ((32, 3), "num_warps"), ((32, 4, 0), "num_stages")):
         with pytest.raises(ValueError, match=field):
-            decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, tiles=bad)
+            decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, tiles=DecodeTiles(*bad))
     with pytest.raises(ValueError, match="num_warps"):
         TritonAttentionBackend(KVCache(1, 16, 2, 16, 1, torch.float32, torch.device("cpu")), 4, 0.25, None,
                                decode_tiles=DecodeTiles(32, 5))
