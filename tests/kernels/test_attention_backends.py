@@ -182,8 +182,8 @@ def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
         torch.testing.assert_close(out.double(), dense_reference(case, None), rtol=1e-5, atol=1e-5)
         expected = "flashinfer" if kind == "mixed" else "triton"
         assert calls[-2:] == [(expected, "plan", len(ext)), (expected, "forward", case["q"].shape[0])]
-    loc = torch.zeros(256, dtype=torch.int64)
-    for bs in (1, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1, 256):
+    loc = torch.zeros(TRITON_DECODE_MAX_ROWS + 1, dtype=torch.int64)
+    for bs in (1, 256, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1):
         hybrid.init_capture(bs, GraphInputs(loc[:bs], loc[:bs], loc[:bs], case["req_to_token"]))
         hybrid.init_replay(None, bs)  # type: ignore[arg-type]  # the recorder does not read it
         name = "triton" if bs <= TRITON_DECODE_MAX_ROWS else "flashinfer"

@@ -281,8 +281,9 @@ def test_decode_tiles_must_be_valid() -> None:
 
 
 def test_decode_launch_carries_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What reaches the kernel launch: the given block, warps and stages, or the defaults (4 warps up to
-    head_dim 128, Triton's own stage count: none passed)."""
+    """What reaches the kernel launch: the given block, warps and stages, or the defaults: with several
+    splits 32-key blocks, 4 warps up to head_dim 128 and Triton's own stage count (none passed); with
+    one split up to head_dim 128, 64-key blocks, 4 warps and 3 stages."""
     import modeserve.kernels.triton.attention_decode as mod
 
     launches: list[dict] = []
@@ -297,7 +298,12 @@ def test_decode_launch_carries_the_tiles(monkeypatch: pytest.MonkeyPatch) -> Non
     decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2, tiles=DecodeTiles(64, 8, 2))
     decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 2)
     assert (launches[0]["BLOCK_N"], launches[0]["num_warps"], launches[0]["num_stages"]) == (64, 8, 2)
+    decode_attention(q, cache, cache, table, rows, lens, 0.25, None, 1)
+    wide_q, wide_cache = torch.zeros(2, 4, 256), torch.zeros(3, 2, 256)
+    decode_attention(wide_q, wide_cache, wide_cache, table, rows, lens, 0.25, None, 1)
     assert (launches[1]["BLOCK_N"], launches[1]["num_warps"], "num_stages" in launches[1]) == (32, 4, False)
+    assert (launches[2]["BLOCK_N"], launches[2]["num_warps"], launches[2]["num_stages"]) == (64, 4, 3)
+    assert (launches[3]["BLOCK_N"], launches[3]["num_warps"], "num_stages" in launches[3]) == (32, 8, False)
 
 
 def test_decode_counters_must_fit() -> None:
@@ -364,7 +370,8 @@ def test_triton_decode_kernel_splits_and_heads_gpu(num_kv_splits: int | None, nu
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [DecodeTiles(16, 4, 2), DecodeTiles(32, 4, 1), DecodeTiles(32, 8, 4),
-                                   DecodeTiles(64, 4, 2), DecodeTiles(64, 8, 3), DecodeTiles(128, 8, 2)])
+                                   DecodeTiles(64, 4, 2), DecodeTiles(64, 4, 3), DecodeTiles(64, 8, 3),
+                                   DecodeTiles(128, 8, 2)])
 def test_decode_kernel_launch_shapes_gpu(tiles: DecodeTiles) -> None:
     """The launch shapes ``bench attention`` compares compile for sm_90 and give the same attention."""
     check_decode_splits(1, 32, 8, 128, None, "cuda", torch.bfloat16, 3e-2, tiles)
