@@ -133,7 +133,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.kops = kops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an explicit (uninitialised) weight: the loader builds on ``meta`` and copies every tensor in,
+        # and nn.Embedding's own random init there imports torch._dynamo and Triton (~1 s at start-up)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kops)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
