@@ -19,7 +19,8 @@ from modeserve.service.bench_limits import copy_bandwidth, device_name
 
 # FlashInfer with its decode kernel forced either way or by the default rule; triton, or
 # triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]]: decode splits per (request, kv head) and the kernel's launch
-# shape instead of the defaults (an empty part keeps its default: triton@:64:8:2)
+# shape instead of the defaults. With only SPLITS the shape is the engine's (default_decode_tiles, by
+# splits); once any shape part is given, an empty one keeps DecodeTiles' field default: triton@:64:8:2
 BACKENDS = ("flashinfer", "flashinfer-tensor-cores", "flashinfer-cuda-cores", "triton",
             "triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]]", "torch")
 
@@ -30,13 +31,11 @@ def parse_triton_variant(name: str) -> tuple[int | None, DecodeTiles | None]:
     parts = spec.split(":") if spec else []
     if len(parts) > 4 or not all(p == "" or p.isdigit() for p in parts):
         raise ValueError(f"{name!r}: want triton@SPLITS[:BLOCK_N[:WARPS[:STAGES]]] with integers")
-    values = [int(p) if p else None for p in parts] + [None] * (4 - len(parts))
-    splits, block_n, warps, stages = values
+    splits, block_n, warps, stages = [int(p) if p else None for p in parts] + [None] * (4 - len(parts))
     if splits == 0:
         raise ValueError(f"{name!r}: splits must be at least 1")
-    if block_n is None and warps is None and stages is None:
-        return splits, None
-    return splits, DecodeTiles(num_warps=warps, num_stages=stages, **({} if block_n is None else {"block_n": block_n}))
+    given = {k: v for k, v in (("block_n", block_n), ("num_warps", warps), ("num_stages", stages)) if v is not None}
+    return splits, DecodeTiles(**given) if given else None
 
 
 def make_backend(name: str, kv: KVCache, num_heads: int) -> AttentionBackend:

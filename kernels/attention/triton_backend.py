@@ -41,7 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
                  num_kv_splits: int | None = None, decode_tiles: DecodeTiles | None = None) -> None:
         """``num_kv_splits``: decode splits per (request, kv head); None: ``default_num_kv_splits``.
-        ``decode_tiles``: the decode kernel's launch shape; None: its default."""
+        ``decode_tiles``: the decode kernel's launch shape; None: ``default_decode_tiles`` (by splits)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         self._num_kv_splits = num_kv_splits
         self._decode_tiles = decode_tiles
