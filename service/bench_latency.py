@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
+from modeserve.service.bench_clocks import ClockSampler
 from modeserve.service.bench_limits import device_name, measure_roofline, ratio, sync
 
 
@@ -89,10 +90,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         llm.step()
     sync(device)
     prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.run_until(lambda: all(r.finished for r in reqs))
-    sync(device)
-    decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
+    with ClockSampler(device) as clocks:
+        start = time.perf_counter()
+        llm.run_until(lambda: all(r.finished for r in reqs))
+        sync(device)
+        decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
     profile = decode_profile(llm, prompts, sp, args.profile_steps) if args.profile_steps else None
 
     roof = measure_roofline(runner)
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_matmul_ratio": ratio(prefill_flops / prefill_s / roof.flops),
         "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
+        "gpu_clocks_decode": clocks.summary,  # SM clock and power during the decode steps (nvidia-smi)
         "graph_stats": runner.graphs.stats() if runner.graphs else None,
         "one_row_linear": runner.gemv_report,  # per weight shape: GEMV kernel vs cuBLAS at batch 1, µs
     }

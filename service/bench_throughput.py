@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
+from modeserve.service.bench_clocks import ClockSampler
 from modeserve.service.bench_latency import model_folder, random_prompts
 from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, ratio, sync
 
@@ -45,10 +46,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_out, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2, :16].tolist(), sampling_params=sp.replace(max_new_tokens=8))
     sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=prompts.tolist(), sampling_params=sp)
-    sync(device)
-    seconds = time.perf_counter() - start
+    with ClockSampler(device) as clocks:
+        start = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts.tolist(), sampling_params=sp)
+        sync(device)
+        seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == n_out for o in outs)
     runner = llm.runner
     roof = measure_roofline(runner)
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "op_roofline_ratio": ratio(roofline_seconds(roof, n, n_in, n_out, running, by_op=True) / seconds),
         "measured_copy_bandwidth_tb_s": round(roof.bandwidth / 1e12, 3),
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
+        "gpu_clocks": clocks.summary,  # SM clock and power during the timed run (nvidia-smi)
         "steps_by_mode": llm.stats()["mode_distribution"],
     }
     if args.baseline == "transformers":
