@@ -18,6 +18,7 @@ keeps the slot table's address: the engine's table is allocated once).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -241,6 +242,7 @@ class DecodeTiles:
             raise ValueError(f"num_stages must be in [1, 8], got {self.num_stages}")
 
 
+@functools.lru_cache(maxsize=None)  # called per layer on eager steps: one frozen shape per (splits, head_dim)
 def default_decode_tiles(num_kv_splits: int, head_dim: int) -> DecodeTiles:
     """The launch shape ``decode_attention`` uses when none is given: with one split (big batches,
     where programs are plenty and each walks its whole context) 64 keys a step, 4 warps and 3 pipeline
