@@ -26,7 +26,7 @@ UNKNOWN = "[N/A], 1980, [N/A], 700.00, [N/A]"
 def test_summary_of_rows() -> None:
     s = summarize([CAPPED + "\n", FREE, CAPPED_2, UNKNOWN, "garbage line"])
     assert s == {"samples": 4, "sm_mhz_median": 1500.0, "sm_mhz_min": 1470.0, "sm_mhz_max_rated": 1980.0,
-                 "power_w_max": 693.01, "power_limit_w": 700.0, "power_capped_share": 0.667,
+                 "power_w_median": 690.43, "power_w_max": 693.01, "power_limit_w": 700.0, "power_capped_share": 0.667,
                  "thermal_or_hw_slowdown_share": 0.0}
 
 
@@ -89,4 +89,5 @@ def test_real_nvidia_smi_samples_a_busy_gpu() -> None:
     assert s is not None, "nvidia-smi gave no sample for this GPU's UUID"
     assert s["samples"] >= 5
     assert s["sm_mhz_max_rated"] is not None and 0 < s["sm_mhz_min"] <= s["sm_mhz_median"] <= s["sm_mhz_max_rated"]
-    assert s["power_limit_w"] is not None and s["power_w_max"] is not None and 0 < s["power_w_max"]
+    assert s["power_limit_w"] is not None and s["power_w_max"] is not None
+    assert 0 < s["power_w_median"] <= s["power_w_max"]
