@@ -35,35 +35,6 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> t
     return torch.randint(3, vocab_size, (count, length), generator=g)
 
 
-def decode_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams, steps: int) -> dict[str, Any]:
-    """Device time per decode step by kernel (torch.profiler, kernels inside CUDA graphs included),
-    and the wall time per step, over ``steps`` decode steps of a fresh batch of the same shape."""
-    from torch.profiler import ProfilerActivity, profile
-
-    reqs = [llm.make_request(p, sp.replace(max_new_tokens=steps + 1)) for p in
-            random_prompts(llm.model_config.vocab_size, len(prompts), prompts.shape[1], seed=2).tolist()]
-    for r in reqs:
-        llm.add_request(r)
-    while not all(r.output_ids for r in reqs):
-        llm.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        llm.run_until(lambda: all(r.finished for r in reqs))
-        sync(llm.runner.device)
-        wall = (time.perf_counter() - start) / steps
-    rows = []
-    on_cuda = llm.runner.device.type == "cuda"
-    for ev in prof.key_averages():
-        device_us = ev.self_device_time_total if on_cuda else ev.self_cpu_time_total  # CPU: ops are the kernels
-        if device_us > 0 and (on_cuda or not ev.key.startswith("<")):
-            rows.append({"name": ev.key[:90], "us_per_step": round(device_us / steps, 2),
-                         "calls_per_step": round(ev.count / steps, 2)})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return {"steps": steps, "wall_ms_per_step": round(wall * 1e3, 4),
-            "device_ms_per_step": round(sum(r["us_per_step"] for r in rows) / 1e3, 4), "top_kernels": rows[:25]}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from modeserve.engine.llm import LLM
 
@@ -95,7 +66,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         llm.run_until(lambda: all(r.finished for r in reqs))
         sync(device)
         decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
-    profile = decode_profile(llm, prompts, sp, args.profile_steps) if args.profile_steps else None
+    profiles = None
+    if args.profile_steps:
+        from modeserve.service.bench_profile import decode_profile, prefill_profile
+
+        profiles = {"decode_profile": decode_profile(llm, prompts, sp, args.profile_steps),
+                    "prefill_profile": prefill_profile(llm, prompts, sp)}
 
     roof = measure_roofline(runner)
     mean_ctx = n_in + n_out / 2
@@ -124,8 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from modeserve.service.bench_linear import linear_report
 
         out["linear_at_batch"] = linear_report(runner.model, bs, roof.bandwidth, roof.flops)
-    if profile is not None:
-        out["decode_profile"] = profile
+    if profiles is not None:
+        out.update(profiles)
     if args.baseline == "transformers":
         from modeserve.service.bench_baseline import transformers_latency
 

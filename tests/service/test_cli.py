@@ -73,6 +73,11 @@ def test_gpu_benches_run_on_cpu_with_limits_and_baseline() -> None:
     assert r["transformers"]["decode_step_ms"] > 0 and r["decode_speedup_vs_transformers"] > 0
     names = [k["name"] for k in r["decode_profile"]["top_kernels"]]
     assert any("linear" in n or "addmm" in n or "mm" in n for n in names), names
+    pre = r["prefill_profile"]
+    assert pre["steps"] == 1 and pre["wall_ms"] > 0 and pre["device_ms"] is None  # CPU: no device timeline
+    assert any("linear" in k["name"] or "mm" in k["name"] for k in pre["top_kernels"]), pre["top_kernels"]
+    assert pre["top_host_ops"] and all(k["us_per_step"] > 0 for k in pre["top_host_ops"])
+    assert sum(k["us_per_step"] for k in pre["top_host_ops"]) <= pre["host_op_ms"] * 1e3 + 1
     thr = modeserve("bench", "throughput", "--shape", "tiny", "--device", "cpu", "--num-prompts", "6", "--input-len",
                     "16", "--output-len", "5", "--max-running-requests", "4")
     assert thr.returncode == 0, thr.stderr
