@@ -33,8 +33,9 @@ def _number(text: str) -> float | None:
 
 def summarize(lines: Sequence[str]) -> dict[str, Any] | None:
     """The samples' summary: SM clock median/min against the rated maximum, median and peak power
-    against the limit (median power × the step time ≈ the step's energy), and the share of samples in which the power cap (or a thermal or hardware slowdown) held
-    the clocks down. ``lines``: ``nvidia-smi --format=csv,noheader,nounits`` rows of ``QUERY``."""
+    against the limit (median power x the step time ~ the step's energy), and the share of samples in
+    which the power cap (or a thermal or hardware slowdown) held the clocks down. ``lines``:
+    ``nvidia-smi --format=csv,noheader,nounits`` rows of ``QUERY``."""
     rows = [[p.strip() for p in line.split(",")] for line in lines]
     rows = [r for r in rows if len(r) == len(QUERY)]
     sm = [v for r in rows if (v := _number(r[0])) is not None]
@@ -47,9 +48,9 @@ def summarize(lines: Sequence[str]) -> dict[str, Any] | None:
         return round(sum(1 for x in reasons if x & mask) / len(reasons), 3) if reasons else 0.0
 
     return {"samples": len(rows), "sm_mhz_median": statistics.median(sm), "sm_mhz_min": min(sm),
-            "sm_mhz_max_rated": _number(rows[0][1]), "power_w_median": statistics.median(power) if power else None,
-            "power_w_max": max(power) if power else None,
-            "power_limit_w": _number(rows[0][3]), "power_capped_share": share(SW_POWER_CAP),
+            "sm_mhz_max_rated": _number(rows[0][1]),
+            "power_w_median": statistics.median(power) if power else None,
+            "power_w_max": max(power) if power else None, "power_limit_w": _number(rows[0][3]), "power_capped_share": share(SW_POWER_CAP),
             "thermal_or_hw_slowdown_share": share(SW_THERMAL | HW_SLOWDOWN)}
 
 

@@ -22,17 +22,17 @@ def _fresh_batch(llm: Any, prompts: torch.Tensor, sp: SamplingParams, seed: int)
     return reqs
 
 
-def _rows(prof: Any, per: int, on_cuda: bool, device_side: bool, top: int) -> list[dict[str, Any]]:
-    """Profiler events by self time per ``per`` steps: device time (kernels, or ops on CPU where the
-    ops are the kernels) when ``device_side``, else host time (ops and CUDA runtime calls)."""
+def _rows(prof: Any, per: int, on_cuda: bool, device_side: bool) -> list[dict[str, Any]]:
+    """Profiler events by self time per ``per`` steps, largest first: device time (kernels, or ops on
+    CPU where the ops are the kernels) when ``device_side``, else host time (ops and CUDA runtime calls)."""
+    device = device_side and on_cuda
     rows = []
     for ev in prof.key_averages():
-        us = ev.self_device_time_total if device_side and on_cuda else ev.self_cpu_time_total
-        keep = (on_cuda or not ev.key.startswith("<")) if device_side else not ev.key.startswith("<")
-        if us > 0 and keep:
+        us = ev.self_device_time_total if device else ev.self_cpu_time_total
+        if us > 0 and (device or not ev.key.startswith("<")):
             rows.append({"name": ev.key[:90], "us_per_step": round(us / per, 2), "calls_per_step": round(ev.count / per, 2)})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
+    return rows
 
 
 def _profiler() -> Any:
@@ -53,7 +53,7 @@ def decode_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams, steps: i
         llm.run_until(lambda: all(r.finished for r in reqs))
         sync(llm.runner.device)
         wall = (time.perf_counter() - start) / steps
-    rows = _rows(prof, steps, on_cuda, device_side=True, top=1000)
+    rows = _rows(prof, steps, on_cuda, device_side=True)
     return {"steps": steps, "wall_ms_per_step": round(wall * 1e3, 4),
             "device_ms_per_step": round(sum(r["us_per_step"] for r in rows) / 1e3, 4), "top_kernels": rows[:25]}
 
@@ -74,8 +74,8 @@ def prefill_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams) -> dict
         sync(llm.runner.device)
         wall = time.perf_counter() - start
     llm.run_until(lambda: all(r.finished for r in reqs))
-    kernels = _rows(prof, 1, on_cuda, device_side=True, top=1000)
-    host = _rows(prof, 1, on_cuda, device_side=False, top=100000)
+    kernels = _rows(prof, 1, on_cuda, device_side=True)
+    host = _rows(prof, 1, on_cuda, device_side=False)
     return {"steps": steps, "wall_ms": round(wall * 1e3, 3),
             "device_ms": round(sum(r["us_per_step"] for r in kernels) / 1e3, 3) if on_cuda else None,
             # the ops' own host time; the rest of wall_ms is Python between them, or the device's
