@@ -36,11 +36,15 @@ def _load(llm: LLM, prompts: list[list[int]]) -> None:
         llm.add_request(llm.make_request(p, GREEDY))
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_pieces_equal_the_whole_model_on_cpu(tmp_path: Path, arch: str) -> None:
-    folder = make_tiny_model(arch, tmp_path / arch)
+@pytest.mark.parametrize(("arch", "backend"), [("llama3", "torch"), ("qwen3", "torch"), ("llama3", "triton")])
+def test_pieces_equal_the_whole_model_on_cpu(tmp_path: Path, arch: str, backend: str) -> None:
+    """``backend``: the attention and elementwise kernels (Triton's in its CPU interpreter: the fused
+    rotary + KV store and add-RMSNorm the GPU pieces capture)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    folder = make_tiny_model(arch, tmp_path / arch, head_dim=64)
     prompts = mixed_prompts(9, COMMON["vocab_size"], seed=21, shared_prefix=16)
-    kw = dict(device="cpu", page_size=4, **SCHED)
+    kw = dict(device="cpu", page_size=4, attention_backend=backend, kernel_backend=backend, **SCHED)
     pw, ref = LLM(model=str(folder), **kw), LLM(model=str(folder), **kw)
     runner = pw.runner
     # buckets 16 and 20: steps of 17-20 tokens are padded, longer MIXED steps stay whole-model
