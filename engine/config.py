@@ -26,6 +26,10 @@ class RunnerConfig:
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights of its config.json
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay captured graphs
+    # EXTEND/MIXED steps of up to piecewise_cuda_graph_max_tokens tokens replay the model in pieces
+    # captured between its attention calls (CUDA only)
+    enable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -44,6 +48,8 @@ class RunnerConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
 

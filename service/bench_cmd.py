@@ -101,6 +101,9 @@ def _gpu_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048)
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="chunked prefill size")
     p.add_argument("--baseline", choices=["transformers", "none"], default="none")
 

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=folder, load_format=load_format, device=args.device, dtype=args.dtype, page_size=16,
               max_running_requests=bs, chunked_prefill_size=min(bs * n_in, args.max_prefill_tokens),
               disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
+              enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
+              piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
               kv_cache_tokens=bs * (n_in + n_out) + 16 * bs + 64, max_context_len=n_in + n_out + 16)
     mc, runner = llm.model_config, llm.runner
     prompts = random_prompts(mc.vocab_size, bs, n_in)
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "measured_bf16_tflops": round(roof.flops / 1e12, 1),
         "gpu_clocks_decode": clocks.summary,  # SM clock and power during the decode steps (nvidia-smi)
         "graph_stats": runner.graphs.stats() if runner.graphs else None,
+        "piecewise_graph_stats": runner.piecewise.stats() if runner.piecewise else None,
         "one_row_linear": runner.gemv_report,  # per weight shape: GEMV kernel vs cuBLAS at batch 1, µs
     }
     if device.type == "cuda" and bs > 1:

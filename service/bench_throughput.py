@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=folder, load_format=load_format, device=args.device, dtype=args.dtype,
               max_running_requests=running, chunked_prefill_size=args.max_prefill_tokens,
               attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+              enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
+              piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
               kv_cache_tokens=running * (n_in + n_out + 16) + 64, max_context_len=n_in + n_out + 16,
               enable_mixed=args.enable_mixed)
     mc = llm.model_config

@@ -62,20 +62,30 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Attention before the output projection: [T, hidden] -> [T, Hq * D]."""
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.project(x)
         # decode steps: rotary, the KV-cache store and attention in one kernel where the backend has it
         out = attn.forward_decode_rotary(q, k, v, positions, cos_sin, self.layer_id)
         if out is None:  # rotary and the KV-cache store in one op (one kernel with the Triton ops), then attention
-            q, k = self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin,
-                                                       *attn.kv_destination(self.layer_id))
+            q, k = self.rotate_and_store(q, k, v, positions, cos_sin, attn.kv_destination(self.layer_id))
             out = attn.forward(q, k, v, self.layer_id, kv_stored=True)  # [T, Hq, D]
         return out.reshape(-1, self.q_size)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of x [T, hidden], q/k normalised where the model does that."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k); the rotated k and v stored at ``dest`` = (k_cache, v_cache, out_cache_loc)."""
+        return self.kops.apply_rotary_and_store_kv(q, k, v, positions, cos_sin, *dest)
 
 
 class LlamaMLP(nn.Module):
@@ -114,8 +124,12 @@ class LlamaDecoderLayer(nn.Module):
         next layer's normalised input (``next_norm``: its input norm, or the model's final norm) and
         the new residual: each residual add and norm follows the projection before it (in one
         kernel where that projection is a GEMV with the epilogue)."""
-        x, residual = self.post_attention_layernorm.after(self.self_attn.o_proj,
-                                                          self.self_attn.attend(positions, x, cos_sin, attn), residual)
+        return self.after_attention(self.self_attn.attend(positions, x, cos_sin, attn), residual, next_norm)
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor,
+                        next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's output [T, Hq * D] on: (next layer's normalised input, residual)."""
+        x, residual = self.post_attention_layernorm.after(self.self_attn.o_proj, attn_out, residual)
         return next_norm.after(self.mlp.down_proj, self.mlp.act(x), residual)
 
 
@@ -159,13 +173,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        layers = cast(list[LlamaDecoderLayer], list(self.layers))
-        residual = self.embed_tokens(input_ids)
-        x = layers[0].input_layernorm(residual)
-        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        for layer, next_norm in zip(layers, next_norms):
+        x, residual = self.embed(input_ids)
+        for layer, next_norm in zip(self.decoder_layers(), self.next_norms()):
             x, residual = layer(positions, x, residual, self.cos_sin, attn, next_norm)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first layer's normalised input, residual) of input_ids [T]."""
+        residual = self.embed_tokens(input_ids)
+        return self.decoder_layers()[0].input_layernorm(residual), residual
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast(list[LlamaDecoderLayer], list(self.layers))
+
+    def next_norms(self) -> list[RMSNorm]:
+        """Per layer, the norm of what follows it: the next layer's input norm, or the final norm."""
+        return [layer.input_layernorm for layer in self.decoder_layers()[1:]] + [self.norm]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, V] in the model's dtype (argmax needs no fp32 copy; sampling converts)

@@ -21,6 +21,7 @@ from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
 from modeserve.engine.runner import sampler
 from modeserve.engine.runner.cuda_graph_runner import CudaGraphRunner
 from modeserve.engine.runner.host_io import PendingResult, upload
+from modeserve.engine.runner.piecewise_graphs import PiecewiseExtend
 from modeserve.engine.runner.slot_state import SlotState
 from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from modeserve.kernels.attention.kv_cache import KVCache
@@ -96,8 +97,12 @@ class ModelRunner:
 
     def _init_cuda_graphs(self, progress: Callable[[str], None] | None) -> None:
         self.graphs: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseExtend | None = None
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return
+        if self.cfg.enable_piecewise_cuda_graph:
+            self.piecewise = PiecewiseExtend(self.model, self.attn, self.cfg.piecewise_cuda_graph_max_tokens,
+                                             self.device, self.dtype, progress=progress)
         if not self.attn.supports_cuda_graph:
             logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly",
                         self.attention_backend_name)
@@ -143,7 +148,12 @@ class ModelRunner:
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
-        hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
+        pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
+        bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
+        if pieces is not None and bucket is not None:  # the model in captured pieces, attention eager
+            hidden = pieces.run(bucket, input_ids, positions, out_cache_loc)
+        else:
+            hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
         return self.model.compute_logits(hidden[sample_idx])
 
     def _attention_inputs(self, batch: ForwardBatch, req_pool: torch.Tensor, seq_lens: torch.Tensor,
