@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.bench_latency import random_prompts
@@ -24,10 +25,15 @@ def _fresh_batch(llm: Any, prompts: torch.Tensor, sp: SamplingParams, seed: int)
 
 def _rows(prof: Any, per: int, on_cuda: bool, device_side: bool) -> list[dict[str, Any]]:
     """Profiler events by self time per ``per`` steps, largest first: device time (kernels, or ops on
-    CPU where the ops are the kernels) when ``device_side``, else host time (ops and CUDA runtime calls)."""
+    CPU where the ops are the kernels) when ``device_side``, else host time (ops and CUDA runtime calls).
+
+    On the device side only the device's own events count: a host op's (or a runtime call's) "self
+    device time" is the time of the kernels it launched, which appear again as rows of their own."""
     device = device_side and on_cuda
     rows = []
     for ev in prof.key_averages():
+        if device and ev.device_type == DeviceType.CPU:
+            continue
         us = ev.self_device_time_total if device else ev.self_cpu_time_total
         if us > 0 and (device or not ev.key.startswith("<")):
             rows.append({"name": ev.key[:90], "us_per_step": round(us / per, 2), "calls_per_step": round(ev.count / per, 2)})
