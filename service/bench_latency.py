@@ -11,28 +11,15 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
+from modeserve.service.bench_batch import add_batch, model_folder, prefill, random_prompts
 from modeserve.service.bench_clocks import ClockSampler
 from modeserve.service.bench_limits import device_name, measure_roofline, ratio, sync
-
-
-def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
-    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape``."""
-    from modeserve.engine.models.random_checkpoint import write_config_only
-
-    if args.model:
-        return Path(args.model), "auto"
-    return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
-
-
-def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab_size, (count, length), generator=g)
+from modeserve.service.bench_profile import decode_profile, prefill_profile
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,13 +41,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # warm-up on other prompts of the same shape (no prefix-cache hits later): first-use costs stay out
     llm.generate(prompt_token_ids=random_prompts(mc.vocab_size, bs, n_in, seed=1).tolist(),
                  sampling_params=sp.replace(max_new_tokens=8))
-    reqs = [llm.make_request(p, sp) for p in prompts.tolist()]
-    for r in reqs:
-        llm.add_request(r)
+    reqs = add_batch(llm, prompts.tolist(), sp)
     sync(device)
     start = time.perf_counter()
-    while not all(r.output_ids for r in reqs):  # prefill (chunked if longer than max_prefill_tokens)
-        llm.step()
+    prefill(llm, reqs)  # chunked if longer than max_prefill_tokens
     sync(device)
     prefill_s = time.perf_counter() - start
     with ClockSampler(device) as clocks:
@@ -70,8 +54,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode_s = (time.perf_counter() - start) / max(n_out - 1, 1)
     profiles = None
     if args.profile_steps:
-        from modeserve.service.bench_profile import decode_profile, prefill_profile
-
         profiles = {"decode_profile": decode_profile(llm, prompts, sp, args.profile_steps),
                     "prefill_profile": prefill_profile(llm, prompts, sp)}
 

@@ -11,16 +11,13 @@ import torch
 from torch.autograd import DeviceType
 
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.service.bench_latency import random_prompts
+from modeserve.service.bench_batch import add_batch, prefill, random_prompts
 from modeserve.service.bench_limits import sync
 
 
 def _fresh_batch(llm: Any, prompts: torch.Tensor, sp: SamplingParams, seed: int) -> list[Any]:
-    reqs = [llm.make_request(p, sp) for p in
-            random_prompts(llm.model_config.vocab_size, len(prompts), prompts.shape[1], seed=seed).tolist()]
-    for r in reqs:
-        llm.add_request(r)
-    return reqs
+    fresh = random_prompts(llm.model_config.vocab_size, len(prompts), prompts.shape[1], seed=seed)
+    return add_batch(llm, fresh.tolist(), sp)
 
 
 def _rows(prof: Any, per: int, on_cuda: bool, device_side: bool) -> list[dict[str, Any]]:
@@ -51,8 +48,7 @@ def decode_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams, steps: i
     """Device time per decode step by kernel and the wall time per step, over ``steps`` decode steps
     of a fresh batch of the same shape (launched as the engine serves, one step in flight)."""
     reqs = _fresh_batch(llm, prompts, sp.replace(max_new_tokens=steps + 1), seed=2)
-    while not all(r.output_ids for r in reqs):
-        llm.step()
+    prefill(llm, reqs)
     on_cuda = llm.runner.device.type == "cuda"
     with _profiler() as prof:
         start = time.perf_counter()
@@ -73,10 +69,7 @@ def prefill_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams) -> dict
     sync(llm.runner.device)
     with _profiler() as prof:
         start = time.perf_counter()
-        steps = 0
-        while not all(r.output_ids for r in reqs):
-            llm.step()
-            steps += 1
+        steps = prefill(llm, reqs)
         sync(llm.runner.device)
         wall = time.perf_counter() - start
     llm.run_until(lambda: all(r.finished for r in reqs))

@@ -13,7 +13,7 @@ import torch
 
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.bench_clocks import ClockSampler
-from modeserve.service.bench_latency import model_folder, random_prompts
+from modeserve.service.bench_batch import model_folder, random_prompts
 from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, ratio, sync
 
 

@@ -1,0 +1,43 @@
+"""The batch the GPU benchmarks time: random prompts on random weights (a named shape or a folder),
+added to an engine at once and prefilled the way the engine serves them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modeserve.engine.sampling_params import SamplingParams
+
+
+def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
+    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape``."""
+    from modeserve.engine.models.random_checkpoint import write_config_only
+
+    if args.model:
+        return Path(args.model), "auto"
+    return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=g)
+
+
+def add_batch(llm: Any, prompts: list[list[int]], sp: SamplingParams) -> list[Any]:
+    reqs = [llm.make_request(p, sp) for p in prompts]
+    for r in reqs:
+        llm.add_request(r)
+    return reqs
+
+
+def prefill(llm: Any, reqs: list[Any]) -> int:
+    """``step()`` until every request has its first token (several steps when the prompts are longer
+    than one chunk); returns the number of steps."""
+    steps = 0
+    while not all(r.output_ids for r in reqs):
+        llm.step()
+        steps += 1
+    return steps
