@@ -21,6 +21,15 @@ def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
     return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM`` arguments every GPU benchmark takes from its shared flags (``_gpu_bench_args``):
+    model folder aside, where the model runs and how its steps launch."""
+    return {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+            "disable_cuda_graph": args.disable_cuda_graph,
+            "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
+            "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}
+
+
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (count, length), generator=g)

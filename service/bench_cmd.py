@@ -7,6 +7,7 @@ import importlib
 import json
 from typing import Any, Callable
 
+from modeserve.engine.config import RunnerConfig
 from modeserve.service.engine_args import add_engine_args
 
 
@@ -103,7 +104,7 @@ def _gpu_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                    help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
-    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=2048)
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="chunked prefill size")
     p.add_argument("--baseline", choices=["transformers", "none"], default="none")
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.service.bench_batch import add_batch, model_folder, prefill, random_prompts
+from modeserve.service.bench_batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
 from modeserve.service.bench_clocks import ClockSampler
 from modeserve.service.bench_limits import device_name, measure_roofline, ratio, sync
 from modeserve.service.bench_profile import decode_profile, prefill_profile
@@ -29,11 +29,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory()
     folder, load_format = model_folder(args, tmp.name)
     bs, n_in, n_out = args.batch_size, args.input_len, args.output_len
-    llm = LLM(model=folder, load_format=load_format, device=args.device, dtype=args.dtype, page_size=16,
+    llm = LLM(model=folder, load_format=load_format, **engine_kwargs(args), page_size=16,
               max_running_requests=bs, chunked_prefill_size=min(bs * n_in, args.max_prefill_tokens),
-              disable_cuda_graph=args.disable_cuda_graph, attention_backend=args.attention_backend,
-              enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
-              piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
               kv_cache_tokens=bs * (n_in + n_out) + 16 * bs + 64, max_context_len=n_in + n_out + 16)
     mc, runner = llm.model_config, llm.runner
     prompts = random_prompts(mc.vocab_size, bs, n_in)

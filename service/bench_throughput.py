@@ -13,7 +13,7 @@ import torch
 
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.service.bench_clocks import ClockSampler
-from modeserve.service.bench_batch import model_folder, random_prompts
+from modeserve.service.bench_batch import engine_kwargs, model_folder, random_prompts
 from modeserve.service.bench_limits import Roofline, device_name, measure_roofline, ratio, sync
 
 
@@ -36,11 +36,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory()
     folder, load_format = model_folder(args, tmp.name)
     n, n_in, n_out, running = args.num_prompts, args.input_len, args.output_len, args.max_running_requests
-    llm = LLM(model=folder, load_format=load_format, device=args.device, dtype=args.dtype,
+    llm = LLM(model=folder, load_format=load_format, **engine_kwargs(args),
               max_running_requests=running, chunked_prefill_size=args.max_prefill_tokens,
-              attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-              enable_piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
-              piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
               kv_cache_tokens=running * (n_in + n_out + 16) + 64, max_context_len=n_in + n_out + 16,
               enable_mixed=args.enable_mixed)
     mc = llm.model_config

@@ -66,6 +66,7 @@ class PiecewiseExtend:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_tokens: int, device: torch.device,
                  dtype: torch.dtype, capture: bool = True, progress: Callable[[str], None] | None = None) -> None:
         self.model, self.attn, self.capture = model, attn, capture
+        self._layers, self._next_norms = model.decoder_layers(), model.next_norms()
         self.buckets = token_buckets(max_tokens)
         cfg = model.config
         top = self.buckets[-1]
@@ -99,11 +100,11 @@ class PiecewiseExtend:
     def _piece(self, bufs: StaticBuffers, i: int) -> None:
         """Piece ``i``: the end of layer i-1 (if any), then the start of layer i up to its KV store
         (if any), from and into ``bufs``."""
-        layers = self.model.decoder_layers()
+        layers = self._layers
         if i == 0:
             x, residual = self.model.embed(bufs.input_ids)
         else:
-            x, residual = layers[i - 1].after_attention(bufs.attn_out, bufs.residual, self.model.next_norms()[i - 1])
+            x, residual = layers[i - 1].after_attention(bufs.attn_out, bufs.residual, self._next_norms[i - 1])
         if residual.data_ptr() != bufs.residual.data_ptr():
             bufs.residual.copy_(residual)
         if i == len(layers):
