@@ -20,6 +20,8 @@ def make_case(kind: str, page_size: int, device: str, dtype: torch.dtype, seed: 
     g = torch.Generator().manual_seed(seed)
     if kind == "decode":
         prefix, ext = [5, 17, 33, 64, 1], [1, 1, 1, 1, 1]
+    elif kind == "prefill":  # no cached prefix in any row
+        prefix, ext = [0, 0, 0], [9, 20, 33]
     elif kind == "extend":
         prefix, ext = [0, 16, 7, 32], [9, 5, 20, 1]
     else:  # mixed: prefill chunks and decodes
@@ -96,7 +98,7 @@ def dense_reference(case: dict, window: int | None) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed"])
 def test_torch_reference_equals_dense_attention(kind: str, page_size: int, window: int | None) -> None:
     case = make_case(kind, page_size, "cpu", torch.float32)
     out = run_backend("torch", case, page_size, "cpu", torch.float32, window)
@@ -106,7 +108,7 @@ def test_torch_reference_equals_dense_attention(kind: str, page_size: int, windo
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed"])
 @pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-triton"])
 def test_flashinfer_equals_torch_reference(backend: str, kind: str, page_size: int, window: int | None) -> None:
     pytest.importorskip("flashinfer")
@@ -128,6 +130,32 @@ def test_flashinfer_decode_kernels_both_ways(page_size: int, tensor_cores: bool)
     case = make_case("decode", page_size, "cuda", torch.bfloat16)
     out = run_backend("flashinfer", case, page_size, "cuda", torch.bfloat16, None, decode_tensor_cores=tensor_cores)
     assert (out.float() - dense_reference(case, None).float()).abs().max() < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_prefill_without_prefix_attends_to_the_steps_own_keys(page_size: int) -> None:
+    """A prefill with no cached prefix reads the k/v it is given (ragged), not the cache: told they
+    are stored while the cache still holds other keys at those slots, it still equals dense attention
+    over the given keys; with a prefix it reads the cache (paged), so there the same call must not."""
+    pytest.importorskip("flashinfer")
+    from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    results = {}
+    for kind in ("prefill", "extend"):
+        case = make_case(kind, page_size, "cuda", torch.bfloat16)
+        cache = KVCache(1, case["num_slots"], HKV, D, page_size, torch.bfloat16, torch.device("cuda"))
+        cache.k[0].copy_(case["k_hist"])  # the slots of this step's keys hold history, not case["k"]
+        cache.v[0].copy_(case["v_hist"])
+        backend = FlashInferAttentionBackend(cache, HQ, 1 / math.sqrt(D), None)
+        backend.init_forward_metadata(AttentionInputs(
+            forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.arange(len(case["ext"]), device="cuda"),
+            prefix_lens_cpu=case["prefix"], extend_lens_cpu=case["ext"], seq_lens=torch.tensor(case["seq"], device="cuda"),
+            out_cache_loc=case["out_loc"], req_to_token=case["req_to_token"], dtype=torch.bfloat16))
+        out = backend.forward(case["q"], case["k"], case["v"], 0, kv_stored=True)
+        results[kind] = float((out.float() - dense_reference(case, None).float()).abs().max())
+    assert results["prefill"] < 3e-2
+    assert results["extend"] > 0.1
 
 
 class _Recorder(AttentionBackend):
