@@ -17,6 +17,8 @@ tokens plus paged for the prefix plus ``merge_state`` was slower every time (358
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -157,9 +159,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         # q: [T, Hq, D], k/v: [T, Hkv, D]
         if not kv_stored:
             self.kv_cache.write(layer_id, self._out_cache_loc, k, v)
+        wrapper: Any = self._wrapper
         out: torch.Tensor
-        if self._wrapper is self._ragged:  # the step's own keys are all there is
-            out = self._ragged.run(q.contiguous(), k.contiguous(), v.contiguous())
+        if wrapper is self._ragged:  # the step's own keys are all there is
+            out = wrapper.run(q.contiguous(), k.contiguous(), v.contiguous())
         else:
-            out = self._wrapper.run(q.contiguous(), self.kv_cache.paged(layer_id))  # type: ignore[attr-defined]
+            out = wrapper.run(q.contiguous(), self.kv_cache.paged(layer_id))
         return out
