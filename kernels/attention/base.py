@@ -35,6 +35,11 @@ class AttentionInputs:
     req_to_page_cpu: np.ndarray | None = None  # [max_reqs, max_pages] int32: page of each request's k-th page
 
     @property
+    def one_token_per_row(self) -> bool:
+        """Every row extends by one token (a decode; the attention kernels read it as one)."""
+        return all(e == 1 for e in self.extend_lens_cpu)
+
+    @property
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
 

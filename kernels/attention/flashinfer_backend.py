@@ -97,7 +97,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         kv = self.kv_cache
         self._out_cache_loc = inputs.out_cache_loc
-        decode = all(e == 1 for e in inputs.extend_lens_cpu)
+        decode = inputs.one_token_per_row
         heads = dict(num_qo_heads=self.num_heads, num_kv_heads=kv.num_kv_heads, window_left=self._window_left,
                      sm_scale=self.scale, q_data_type=inputs.dtype)
         if not decode and not any(inputs.prefix_lens_cpu):  # every row starts at position 0: ragged

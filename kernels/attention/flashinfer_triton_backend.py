@@ -46,9 +46,8 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         return self._triton if rows <= TRITON_DECODE_MAX_ROWS else self._flashinfer
 
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
-        extend_lens = inputs.extend_lens_cpu
-        decode = all(e == 1 for e in extend_lens)
-        self._active = self._for_decode(len(extend_lens)) if decode else self._flashinfer
+        rows = len(inputs.extend_lens_cpu)
+        self._active = self._for_decode(rows) if inputs.one_token_per_row else self._flashinfer
         self._active.init_forward_metadata(inputs)
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:

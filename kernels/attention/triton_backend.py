@@ -63,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
-        if all(e == 1 for e in extend_lens):
+        if inputs.one_token_per_row:
             self._reserve_counters(len(extend_lens))
             self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens)
             return
