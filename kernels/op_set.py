@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from modeserve.kernels import ops
+from modeserve.kernels import ops, sampling
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -24,6 +24,8 @@ class KernelOps:
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[..., torch.Tensor]  # (x, into=None, at=None)
     record_tokens: Callable[..., None]
+    # the sampling step after the sort: filters + seeded Gumbel-max (kernels.sampling.sample_sorted's signature)
+    sample_sorted: Callable[..., torch.Tensor]
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
@@ -32,7 +34,7 @@ class KernelOps:
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
-                      ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens)
+                      ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens, sampling.sample_sorted)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -51,8 +53,9 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     from modeserve.kernels.triton.argmax import argmax
     from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
     from modeserve.kernels.triton.rotary import store_kv
+    from modeserve.kernels.triton.sampling import sample_sorted
     from modeserve.kernels.triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,
-                     gemv, gemv_keeps_up, gemv_add_rms_norm)
+                     sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm)

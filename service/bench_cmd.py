@@ -93,6 +93,17 @@ def add_parser(sub: Any) -> None:
     att.add_argument("--repeats", type=int, default=50)
     att.add_argument("--dtype", default="bfloat16")
     att.set_defaults(func=_json_bench("bench_attention"))
+    smp = kinds.add_parser("sampling", help="the sampling step: torch reference vs the fused kernel, vs its bytes (GPU)")
+    smp.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 64, 256])
+    smp.add_argument("--vocab", type=int, default=128256)
+    smp.add_argument("--temperature", type=float, default=0.8)
+    smp.add_argument("--top-k", type=int, default=0, help="<= 0: off")
+    smp.add_argument("--top-p", type=float, default=0.95)
+    smp.add_argument("--min-p", type=float, default=0.0)
+    smp.add_argument("--logit-scale", type=float, default=4.0, help="standard deviation of the random logits")
+    smp.add_argument("--repeats", type=int, default=20)
+    smp.add_argument("--device", default="cuda")
+    smp.set_defaults(func=_json_bench("bench_sampling"))
 
 
 def _gpu_bench_args(p: argparse.ArgumentParser) -> None:

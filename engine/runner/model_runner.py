@@ -222,7 +222,7 @@ class ModelRunner:
             history = self.slots.token_ids[slots_dev, : int(seq_lens.max())]
             (prompt_lens,) = upload([self.slots.prompt_len[slots]], self.device)
             logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
-        next_ids = sampler.sample(logits, st)
+        next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
         self.slots.last_token[slots_dev] = next_ids
         if not want_logprobs:
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))

@@ -3,28 +3,21 @@
 Everything here is a pure function of tensors already on the logits' device plus a few Python flags
 computed by the caller, so it never waits on the device (no ``.item()``, no data-dependent shapes).
 
-Filter semantics (Hugging Face / vLLM order): ``logits / temperature`` -> softmax -> keep the ``top_k``
-most probable tokens -> renormalise and keep the smallest prefix whose cumulative probability reaches
-``top_p`` (the top token always stays) -> drop tokens whose probability is below ``min_p`` times the top
-probability. All three masks are computed on one descending sort.
-
-Sampling draws ``argmax(log p + g)`` over the kept tokens with Gumbel noise ``g`` that is a pure function
-of ``(seed, position, vocab index)``: a seeded request therefore yields the same token whatever else is
-in the batch, in whatever order, and again when it is recomputed after preemption.
+``logits / temperature`` is sorted descending once; the filters (top-k, then top-p on the renormalised
+top-k set, then min-p) and the seeded Gumbel-max draw over what they keep are ``kernels.sampling``'s
+step after the sort (its torch reference, or the fused Triton kernel on CUDA): a seeded request yields
+the same token whatever else is in the batch, and again after preemption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-_MASK32 = 0xFFFFFFFF
-_GOLDEN32 = 0x9E3779B9  # 2**32 / golden ratio: decorrelates the inputs before each hash round
-_SALT_POS = 0x85EBCA6B
-_SALT_IDX = 0xC2B2AE35
+from modeserve.kernels import sampling as kernel_sampling
 
 
 @dataclass
@@ -94,76 +87,15 @@ def apply_penalties(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Counter-based noise
+# Sampling
 # ---------------------------------------------------------------------------------------------------
 
-
-def _hash32(x: Tensor) -> Tensor:
-    """lowbias32 avalanche hash of uint32 values held in int64 (any shape -> same shape, in [0, 2**32))."""
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32  # int64 wrap-around only touches bits above 32, masked away
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    x = x ^ (x >> 16)
-    return x
+SampleSorted = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def _row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
-    """One 32-bit stream key per (seed, position): [B] int64 -> [B] int64 in [0, 2**32)."""
-    seed_lo = seeds & _MASK32  # [B]
-    seed_hi = (seeds >> 32) & _MASK32  # [B]; arithmetic shift, then mask = the raw high word
-    key = _hash32(seed_lo ^ _GOLDEN32)  # [B]
-    key = _hash32(key ^ seed_hi)  # [B]
-    key = _hash32((key + _SALT_POS) ^ (positions & _MASK32))  # [B]
-    return _hash32(key ^ ((positions >> 32) & _MASK32) ^ _SALT_IDX)  # [B]
-
-
-def gumbel_noise(seeds: Tensor, positions: Tensor, vocab_ids: Tensor, vocab_size: int) -> Tensor:
-    """Standard Gumbel noise, a pure function of (seed, position, vocab id).
-
-    seeds, positions: [B] int64; vocab_ids: [B, N] int64 in [0, vocab_size), any order -> [B, N] float32.
-    """
-    keys = _row_keys(seeds, positions)  # [B]
-    id_table = torch.arange(vocab_size, dtype=torch.int64, device=vocab_ids.device)  # [V]
-    id_table = _hash32(id_table * _GOLDEN32 + _SALT_IDX)  # [V]; hashed once, gathered per row
-    x = _hash32(keys[:, None] ^ id_table[vocab_ids])  # [B, N] in [0, 2**32)
-    # Top 24 bits -> u strictly inside (0, 1), exactly representable in float32.
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # [B, N]
-    return -torch.log(-torch.log(u))  # [B, N]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Filtering and sampling
-# ---------------------------------------------------------------------------------------------------
-
-
-def _keep_mask_sorted(sorted_logits: Tensor, st: SamplingTensors) -> Tensor:
-    """Which ranks survive top-k, top-p and min-p. sorted_logits: [B, V] descending -> [B, V] bool."""
-    vocab = sorted_logits.shape[1]
-    probs = torch.softmax(sorted_logits, dim=-1)  # [B, V] descending
-    ranks = torch.arange(vocab, device=sorted_logits.device)  # [V]
-
-    top_ks = torch.where(st.top_ks <= 0, torch.full_like(st.top_ks, vocab), st.top_ks.clamp(max=vocab))  # [B]
-    keep = ranks[None, :] < top_ks[:, None]  # [B, V]
-
-    # Top-p on the top-k renormalised distribution. The top-k set is a prefix, so the plain cumsum is
-    # the masked cumsum inside it and the kept mass is the cumsum at rank k - 1.
-    cumsum = torch.cumsum(probs, dim=-1)  # [B, V]
-    topk_mass = cumsum.gather(1, (top_ks - 1)[:, None])  # [B, 1]
-    exclusive = cumsum - probs  # [B, V]; mass strictly above each rank
-    top_ps = st.top_ps.to(torch.float32)[:, None]  # [B, 1]
-    keep_p = (exclusive < top_ps * topk_mass) | (top_ps >= 1.0)  # top_p == 1 never drops a rounding tail
-    keep = keep & keep_p
-
-    # Min-p: ratios to the top probability do not change under renormalisation.
-    keep = keep & (probs >= st.min_ps.to(torch.float32)[:, None] * probs[:, :1])  # [B, V]
-    keep[:, 0] = True  # the most probable token always stays
-    return keep
-
-
-def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
-    """Next token ids [B] int64 from (already penalised) logits [B, V]."""
+def sample(logits: Tensor, st: SamplingTensors, sample_sorted: SampleSorted = kernel_sampling.sample_sorted) -> Tensor:
+    """Next token ids [B] int64 from (already penalised) logits [B, V]. ``sample_sorted`` is the step
+    after the sort (``kernels.sampling.sample_sorted`` or the fused Triton kernel of the same signature)."""
     logits = logits.to(torch.float32)  # [B, V]
     greedy_ids = torch.argmax(logits, dim=-1)  # [B]
     if st.all_greedy:
@@ -171,17 +103,8 @@ def sample(logits: Tensor, st: SamplingTensors) -> Tensor:
 
     is_greedy = st.temperatures <= 0  # [B]
     temps = torch.where(is_greedy, torch.ones_like(st.temperatures), st.temperatures).to(torch.float32)  # [B]
-    scaled = logits / temps[:, None]  # [B, V]
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)  # [B, V], [B, V]
-    keep = _keep_mask_sorted(sorted_logits, st)  # [B, V] bool
-
-    # Gumbel-max in sorted space; the noise is keyed by vocab id, so sort order does not matter.
-    # log p differs from the scaled logits by a per-row constant, which does not move the argmax,
-    # and masking with -inf is the renormalisation over the kept set.
-    noise = gumbel_noise(st.seeds, st.positions, sorted_ids, sorted_ids.shape[1])  # [B, V]
-    scores = torch.where(keep, sorted_logits + noise, torch.full_like(sorted_logits, float("-inf")))  # [B, V]
-    choice_rank = torch.argmax(scores, dim=-1, keepdim=True)  # [B, 1]
-    sampled_ids = sorted_ids.gather(1, choice_rank).squeeze(1)  # [B]
+    sorted_logits, sorted_ids = torch.sort(logits / temps[:, None], dim=-1, descending=True)  # [B, V], [B, V]
+    sampled_ids = sample_sorted(sorted_logits, sorted_ids, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.positions)
     return torch.where(is_greedy, greedy_ids, sampled_ids)  # [B]
 
 

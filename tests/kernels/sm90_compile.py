@@ -78,7 +78,8 @@ class Recorder:
 
 def _calls() -> None:
     """One call of each kernel wrapper per variant that compiles differently."""
-    from modeserve.kernels.triton import activation, argmax, attention_decode, attention_extend, gemv, norm, rotary, slots
+    from modeserve.kernels.triton import (activation, argmax, attention_decode, attention_extend, gemv, norm, rotary,
+                                          sampling, slots)
 
     bf = torch.bfloat16
     d, hq, hkv, slots_n = 128, 8, 2, 64
@@ -97,6 +98,8 @@ def _calls() -> None:
     argmax.argmax(logits, into=torch.zeros(4, dtype=torch.int64), at=torch.zeros(2, dtype=torch.int64))
     table = torch.zeros(4, 32, dtype=torch.int64)
     i64 = lambda n: torch.zeros(n, dtype=torch.int64)  # noqa: E731
+    f32 = lambda n: torch.ones(n, dtype=torch.float32)  # noqa: E731
+    sampling.sample_sorted(logits.float(), torch.zeros(2, 1000, dtype=torch.int64), i64(2), f32(2), f32(2), i64(2), i64(2))
     slots.record_tokens(table, torch.zeros(4, 32, dtype=torch.int64), i64(4), i64(3), i64(3), i64(3), i64(3))
     cos_sin = torch.randn(64, d, dtype=torch.float32)
     q, k, v = torch.randn(3, hq, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf)
