@@ -1,7 +1,8 @@
 """The sampling step on the device, as the engine runs it (captured in a CUDA graph and replayed):
 ``sample()`` whole (temperature, sort, filters, seeded draw) with the step after the sort done by the
-torch reference or by the fused Triton kernel, and that step alone against the bytes of its inputs
-(sorted logits and ids) at the device-copy bandwidth measured in the same run."""
+torch reference or by the fused Triton kernel, and that step alone against the bytes it must read
+(every sorted logit, and the ids of the ranks top-k leaves) at the device-copy bandwidth measured in
+the same run."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sorted_logits, sorted_ids = torch.sort(logits / args.temperature, dim=-1, descending=True)
         after = (sorted_logits, sorted_ids, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.positions)
         tokens = {name: fn(*after) for name, fn in impls.items()}
-        in_bytes = bs * args.vocab * (sorted_logits.element_size() + sorted_ids.element_size())
+        # the least the step must read: every logit (the softmax's denominator) and the ids of the ranks
+        # that can be drawn (a prefix: the top k, or all of them)
+        candidates = args.vocab if args.top_k <= 0 else min(args.top_k, args.vocab)
+        in_bytes = bs * (args.vocab * sorted_logits.element_size() + candidates * sorted_ids.element_size())
         row: dict[str, Any] = {
             "batch_size": bs, "same_tokens": bool(torch.equal(tokens["torch"], tokens["fused"])),
             "after_sort_bytes": in_bytes, "after_sort_roofline_us": round(in_bytes / bandwidth * 1e6, 2),
