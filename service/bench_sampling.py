@@ -1,8 +1,8 @@
 """The sampling step on the device, as the engine runs it (captured in a CUDA graph and replayed):
 ``sample()`` whole (temperature, sort, filters, seeded draw) with the step after the sort done by the
 torch reference or by the fused Triton kernel, and that step alone against the bytes it must read
-(every sorted logit, and the ids of the ranks top-k leaves) at the device-copy bandwidth measured in
-the same run."""
+(every sorted logit, and the ids of the ranks the filters keep) at the device-copy bandwidth measured
+in the same run."""
 
 from __future__ import annotations
 
@@ -52,11 +52,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         after = (sorted_logits, sorted_ids, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.positions)
         tokens = {name: fn(*after) for name, fn in impls.items()}
         # the least the step must read: every logit (the softmax's denominator) and the ids of the ranks
-        # that can be drawn (a prefix: the top k, or all of them)
-        candidates = args.vocab if args.top_k <= 0 else min(args.top_k, args.vocab)
-        in_bytes = bs * (args.vocab * sorted_logits.element_size() + candidates * sorted_ids.element_size())
+        # the filters keep (a prefix of each row), the only ones that can be drawn
+        kept = int(sampling.keep_mask_sorted(sorted_logits, st.top_ks, st.top_ps, st.min_ps).sum())
+        in_bytes = bs * args.vocab * sorted_logits.element_size() + kept * sorted_ids.element_size()
         row: dict[str, Any] = {
             "batch_size": bs, "same_tokens": bool(torch.equal(tokens["torch"], tokens["fused"])),
+            "kept_ranks": kept,
             "after_sort_bytes": in_bytes, "after_sort_roofline_us": round(in_bytes / bandwidth * 1e6, 2),
             "sort_us": round(timed(lambda: torch.sort(logits, dim=-1, descending=True), args.repeats) * 1e6, 2)}
         for name, fn in impls.items():
