@@ -4,6 +4,7 @@ added to an engine at once and prefilled the way the engine serves them."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,26 @@ from modeserve.engine.sampling_params import SamplingParams
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
-    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape``."""
+    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape`` (a preset's
+    name, or the path of a Hugging Face ``config.json``)."""
     from modeserve.engine.models.random_checkpoint import write_config_only
 
     if args.model:
         return Path(args.model), "auto"
+    if args.shape.endswith(".json"):
+        return write_config_only(Path(tmp) / "shape", config_file(args.shape)), "dummy"
     return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
+
+
+def config_file(path: str) -> dict[str, Any]:
+    """A ``config.json`` given as ``--shape``, read as a dict (ValueError when it is not one)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--shape {path}: cannot read a JSON config ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"--shape {path}: a config.json holds one JSON object")
+    return config
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -107,7 +107,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _gpu_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="llama-3.2-1b", help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b")
+    p.add_argument("--shape", default="llama-3.2-1b",
+                   help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, or the path of a config.json")
     p.add_argument("--model", default=None, help="a checkpoint instead of random weights of --shape")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")

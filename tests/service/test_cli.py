@@ -85,6 +85,27 @@ def test_gpu_benches_run_on_cpu_with_limits_and_baseline() -> None:
     assert t["output_tokens_per_s"] > 0 and 0 < t["roofline_ratio"] and t["steps_by_mode"]["DECODE"] >= 4
 
 
+def test_gpu_bench_shape_from_a_config_json(tmp_path: Path) -> None:
+    """``--shape`` also takes a Hugging Face config.json: its layers and widths are what the roofline
+    counts (the tiny preset with twice the layers reads about twice the weights a step); a file that is
+    not a JSON object is a clear error."""
+    from modeserve.engine.models.random_checkpoint import PRESETS
+
+    def step_bytes(shape: str) -> int:
+        proc = modeserve("bench", "latency", "--shape", shape, "--device", "cpu", "--input-len", "8",
+                         "--output-len", "3")
+        assert proc.returncode == 0, proc.stderr
+        return int(json.loads(proc.stdout.strip().splitlines()[-1])["decode_step_bytes"])
+
+    config = dict(PRESETS["tiny"], num_hidden_layers=2 * PRESETS["tiny"]["num_hidden_layers"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tiny, deeper = step_bytes("tiny"), step_bytes(str(tmp_path / "config.json"))
+    assert 1.5 * tiny < deeper < 2.1 * tiny
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    bad = modeserve("bench", "latency", "--shape", str(tmp_path / "bad.json"), "--device", "cpu")
+    assert bad.returncode == 2 and "one JSON object" in bad.stderr
+
+
 def test_bench_tracing_prints_overhead_json() -> None:
     proc = modeserve("bench", "tracing", "--steps", "16", "--repeats", "1", "--batch-size", "2")
     assert proc.returncode == 0, proc.stderr
