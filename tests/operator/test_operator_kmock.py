@@ -265,7 +265,12 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
     router_pod = objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]
     assert router_pod["containers"][0]["args"][:5] == ["router", "--engineset", NAME, "--namespace", NS]
     assert router_pod["serviceAccountName"] == "modeserve-router"  # may watch EngineSets (the chart's Role)
-    es = harness.engineset()
+
+    def with_status() -> Any:  # the status is patched after the owned objects are created
+        es = harness.engineset()
+        return es if "status" in es else None
+
+    es = await eventually(with_status)
     assert es["metadata"]["finalizers"] == ["modeserve.io/engineset-cleanup"]
     assert es["status"]["selector"] == res.engine_selector_string(NAME) and es["status"]["observedGeneration"] == 1
 
