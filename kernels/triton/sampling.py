@@ -1,10 +1,10 @@
-"""The sampling step after the sort in one Triton kernel: top-k / top-p / min-p over logits sorted
+"""The sampling step after the sort fused into three Triton launches: top-k / top-p / min-p over logits sorted
 descending and the seeded Gumbel-max draw over what they keep. Same signature and numbers as
 ``kernels.sampling.sample_sorted`` (its torch reference: a softmax, a cumsum, a gather, the noise's
 hash rounds and a dozen elementwise passes over [B, V], each a kernel reading and writing the whole
 row).
 
-Three launches, the first two with one program per chunk of ranks of a row (so one row spreads over
+The first two launches have one program per chunk of ranks of a row (so one row spreads over
 the device too): the first sums each chunk's share of the softmax denominator and of the top-k mass;
 the second gets the row's totals and the mass above its chunk from those sums, walks its ranks with a
 running (exclusive) cumulative probability, keeps the ranks that pass the three filters, adds the noise
@@ -140,7 +140,7 @@ def _row_pick_kernel(ids_ptr, best_ptr, rank_ptr, out_ptr, stride_ids, num_chunk
 
 def sample_sorted(sorted_logits: torch.Tensor, sorted_ids: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                   min_ps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``kernels.sampling.sample_sorted`` in one kernel: sorted_logits [B, V] float (descending, temperature
+    """``kernels.sampling.sample_sorted`` fused: sorted_logits [B, V] float (descending, temperature
     applied), sorted_ids [B, V] int64, top_ks [B] int64, top_ps / min_ps [B] float32, seeds / positions [B]
     int64 -> [B] int64 token ids."""
     if sorted_logits.dim() != 2 or sorted_ids.shape != sorted_logits.shape:
