@@ -24,8 +24,7 @@ class KernelOps:
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[..., torch.Tensor]  # (x, into=None, at=None)
     record_tokens: Callable[..., None]
-    # the sampling step after the sort: filters + seeded Gumbel-max (kernels.sampling.sample_sorted's signature)
-    sample_sorted: Callable[..., torch.Tensor]
+    sample_sorted: sampling.SampleSorted  # the sampling step after the sort: filters + seeded Gumbel-max
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None

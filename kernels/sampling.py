@@ -14,6 +14,8 @@ whatever order, and again when it is recomputed after preemption.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,9 @@ SALT_POS = 0x85EBCA6B
 SALT_IDX = 0xC2B2AE35
 HASH_MUL1 = 0x7FEB352D
 HASH_MUL2 = 0x846CA68B
+
+# sample_sorted's signature (the torch reference below, or the fused Triton kernel)
+SampleSorted = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def hash32(x: Tensor) -> Tensor:

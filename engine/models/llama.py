@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first layer's normalised input, residual) of input_ids [T]."""
         residual = self.embed_tokens(input_ids)
-        return self.decoder_layers()[0].input_layernorm(residual), residual
+        return cast(LlamaDecoderLayer, self.layers[0]).input_layernorm(residual), residual
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         return cast(list[LlamaDecoderLayer], list(self.layers))

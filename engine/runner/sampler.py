@@ -12,7 +12,7 @@ the same token whatever else is in the batch, and again after preemption.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -90,10 +90,7 @@ def apply_penalties(
 # Sampling
 # ---------------------------------------------------------------------------------------------------
 
-SampleSorted = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-def sample(logits: Tensor, st: SamplingTensors, sample_sorted: SampleSorted = kernel_sampling.sample_sorted) -> Tensor:
+def sample(logits: Tensor, st: SamplingTensors, sample_sorted: kernel_sampling.SampleSorted = kernel_sampling.sample_sorted) -> Tensor:
     """Next token ids [B] int64 from (already penalised) logits [B, V]. ``sample_sorted`` is the step
     after the sort (``kernels.sampling.sample_sorted`` or the fused Triton kernel of the same signature)."""
     logits = logits.to(torch.float32)  # [B, V]
