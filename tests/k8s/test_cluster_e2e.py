@@ -67,7 +67,7 @@ def wait_ready(rel: dict[str, Any], replicas: int, timeout: float = 600) -> None
 
 
 def test_install_request_and_scale_without_loss(release: dict[str, Any]) -> None:
-    from modeserve.service.client import GenerateClient
+    from modeserve.service.rpc.client import GenerateClient
 
     kubectl, ns = release["kubectl"], release["ns"]
     wait_ready(release, 1)

@@ -14,9 +14,9 @@ import pytest
 from modeserve.operator.ranks import RouterRank
 from modeserve.operator.router_client import GrpcAdminClient, RouterUnreachable
 from modeserve.proto.v1 import admin_pb2_grpc
-from modeserve.service.admin import AdminServicer
-from modeserve.service.dispatch import Dispatcher
-from modeserve.service.rank_table import RankTable
+from modeserve.service.router.admin_servicer import AdminServicer
+from modeserve.service.router.dispatch import Dispatcher
+from modeserve.service.router.rank_table import RankTable
 
 
 def no_engine(rank: int, address: str, on_failure: Any) -> Any:

@@ -8,7 +8,7 @@ import torch
 
 from modeserve.kernels.attention.kv_cache import KVCache
 from modeserve.kernels.triton.attention_decode import DecodeTiles
-from modeserve.service.bench_attention import make_backend, parse_triton_variant
+from modeserve.service.bench.attention import make_backend, parse_triton_variant
 
 
 @pytest.mark.parametrize(("name", "splits", "tiles"), [

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeserve.service import bench_clocks
-from modeserve.service.bench_clocks import ClockSampler, summarize
+from modeserve.service.bench import clocks as bench_clocks
+from modeserve.service.bench.clocks import ClockSampler, summarize
 
 # rows as `nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active
 # --format=csv,noheader,nounits` prints them (two seen on an H200 at its power cap)

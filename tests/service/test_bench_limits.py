@@ -9,7 +9,7 @@ import torch
 from modeserve.engine.models.llama import LlamaForCausalLM
 from modeserve.engine.models.model_config import parse_model_config
 from modeserve.engine.models.random_checkpoint import PRESETS
-from modeserve.service.bench_limits import Roofline
+from modeserve.service.bench.limits import Roofline
 
 
 def test_llama_8b_roofline_by_hand() -> None:
@@ -42,7 +42,7 @@ def test_linear_report_gpu() -> None:
     low (a 440 TFLOP/s matmul rate once made a 43 µs GEMM look 1.59x faster than its bound)."""
     from torch import nn
 
-    from modeserve.service.bench_linear import linear_report
+    from modeserve.service.bench.linear import linear_report
 
     dev = torch.device("cuda")
     model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4096, bias=False),
@@ -59,7 +59,7 @@ def test_linear_report_gpu() -> None:
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_split_k_linear_is_the_product(splits: int) -> None:
-    from modeserve.service.bench_linear import split_k_linear
+    from modeserve.service.bench.linear import split_k_linear
 
     g = torch.Generator().manual_seed(splits)
     x, w = torch.randn(5, 64, generator=g), torch.randn(24, 64, generator=g)

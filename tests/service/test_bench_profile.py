@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from modeserve.service.bench_profile import _profiler, _rows
+from modeserve.service.bench.profile import _profiler, _rows
 
 
 def _event(key: str, device_type: DeviceType, device_us: float, cpu_us: float) -> SimpleNamespace:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from modeserve.service.bench_sampling import run
+from modeserve.service.bench.sampling import run
 from modeserve.service.cli import build_parser
 
 

@@ -16,7 +16,7 @@ from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import Scheduler
 from modeserve.proto.v1 import forward_pb2
-from modeserve.service.convert import (
+from modeserve.service.rpc.convert import (
     BatchLimits,
     batch_from_proto,
     batch_to_proto,

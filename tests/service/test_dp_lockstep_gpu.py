@@ -10,9 +10,9 @@ import pytest
 from modeserve.engine.config import EngineConfig, SchedulerConfig
 from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
-from modeserve.service.client import GenerateClient
-from modeserve.service.engine_server import create_engine_server
-from modeserve.service.router_cmd import start_remote_router
+from modeserve.service.rpc.client import GenerateClient
+from modeserve.service.rpc.engine_server import create_engine_server
+from modeserve.service.cli.router import start_remote_router
 from tests.engine.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.gpu

@@ -16,11 +16,11 @@ import pytest
 
 from modeserve.engine.config import SchedulerConfig
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
-from modeserve.service.client import Completion, GenerateClient
-from modeserve.service.drain_cmd import drain
-from modeserve.service.rank_table import RankSpec, RankState
-from modeserve.service.router_app import RouterApp
-from modeserve.service.router_cmd import start_remote_router
+from modeserve.service.rpc.client import Completion, GenerateClient
+from modeserve.service.cli.drain import drain
+from modeserve.service.router.rank_table import RankSpec, RankState
+from modeserve.service.router.app import RouterApp
+from modeserve.service.cli.router import start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_router_remote import spawn
 from tests.service.test_serve import generate_all, reference

@@ -33,9 +33,9 @@ from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
-from modeserve.service.convert import batch_to_proto, result_from_proto
-from modeserve.service.engine_server import ENGINE_SERVICE, create_engine_server
-from modeserve.service.grpc_common import GrpcServer
+from modeserve.service.rpc.convert import batch_to_proto, result_from_proto
+from modeserve.service.rpc.engine_server import ENGINE_SERVICE, create_engine_server
+from modeserve.service.rpc.grpc_server import GrpcServer
 from tests.engine.tiny_models import make_tiny_model, mixed_prompts
 
 ENGINE_KWARGS: dict[str, object] = dict(page_size=4, kv_cache_tokens=1024, max_running_requests=6,

@@ -34,12 +34,12 @@ from modeserve.operator.ranks import RouterRank, rank_views, router_ranks
 from modeserve.operator.resources import rank_address
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.cli import build_parser
-from modeserve.service.client import GenerateClient
-from modeserve.service.engine_server import create_engine_server
-from modeserve.service.engineset_watch import EngineSetWatch, pod_namespace, ranks_from_status
-from modeserve.service.grpc_common import GrpcServer
-from modeserve.service.rank_table import RankSpec, RankState
-from modeserve.service.router_cmd import engineset_watch, start_remote_router
+from modeserve.service.rpc.client import GenerateClient
+from modeserve.service.rpc.engine_server import create_engine_server
+from modeserve.service.router.engineset_watch import EngineSetWatch, pod_namespace, ranks_from_status
+from modeserve.service.rpc.grpc_server import GrpcServer
+from modeserve.service.router.rank_table import RankSpec, RankState
+from modeserve.service.cli.router import engineset_watch, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.operator.test_operator_kmock import VersionedEmulator
 from tests.service.test_serve import generate_all
@@ -362,7 +362,7 @@ async def test_router_command_line_watches_with_the_environment_credentials(
         with pytest.raises(SystemExit):
             build_parser().parse_args(wrong)
     monkeypatch.delenv("POD_NAMESPACE")
-    monkeypatch.setattr("modeserve.service.engineset_watch.NAMESPACE_FILE", tmp_path / "absent")  # not in a pod
+    monkeypatch.setattr("modeserve.service.router.engineset_watch.NAMESPACE_FILE", tmp_path / "absent")  # not in a pod
     with pytest.raises(ValueError, match="--namespace"):
         engineset_watch(NAME, None)
 

@@ -14,9 +14,9 @@ from modeserve.engine.config import EngineConfig, SchedulerConfig
 from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
-from modeserve.service.client import GenerateClient
-from modeserve.service.engine_server import create_engine_server
-from modeserve.service.router_cmd import describe_engine, start_remote_router
+from modeserve.service.rpc.client import GenerateClient
+from modeserve.service.rpc.engine_server import create_engine_server
+from modeserve.service.cli.router import describe_engine, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_serve import generate_all
 

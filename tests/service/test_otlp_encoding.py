@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from modeserve.service.otlp_encoding import FastOTLPSpanExporter, encode_spans
+from modeserve.service.telemetry.otlp_encoding import FastOTLPSpanExporter, encode_spans
 
 
 def _spans() -> list[ReadableSpan]:
@@ -103,7 +103,7 @@ def test_step_spans_written_as_bytes_equal_the_sdk_encoding() -> None:
     """The spans made every step with a test's exporter (``StepSpan``) encode as the SDK encodes them:
     with links (to local and remote contexts), under a local and a remote parent, with engine
     attributes set later; one links to a context with trace state (built as a message, in its place)."""
-    from modeserve.service.tracing import Tracing, forward_attributes
+    from modeserve.service.telemetry.tracing import Tracing, forward_attributes
 
     memory = InMemorySpanExporter()
     tracing = Tracing("engine", 1, exporter=memory)
@@ -141,7 +141,7 @@ def test_step_records_equal_the_sdk_encoding_of_the_same_spans() -> None:
     """The OTLP path's step spans (``StepRecord``): written from their fields, they encode as the SDK
     encodes the equivalent ``ReadableSpan``s; one under a parent with trace state goes through the
     message path and keeps its place."""
-    from modeserve.service.step_record import StepBatcher, StepRecord
+    from modeserve.service.telemetry.step_record import StepBatcher, StepRecord
 
     batcher = StepBatcher(InMemorySpanExporter(), Resource({"service.name": "e"}), InstrumentationScope("modeserve"),
                           schedule_delay_millis=60_000, max_export_batch_size=100, max_queue_size=100)
@@ -167,7 +167,7 @@ def test_a_batch_of_step_records_and_sdk_spans_equals_the_sdk_encoding() -> None
     long batch: steps under one parent with the same attributes, then other attributes, another
     parent and back, a remote parent, links (one with trace state), a parent with trace state; SDK
     spans of another resource in between (their own group, the records' order kept)."""
-    from modeserve.service.step_record import StepBatcher, StepRecord
+    from modeserve.service.telemetry.step_record import StepBatcher, StepRecord
 
     batcher = StepBatcher(InMemorySpanExporter(), Resource({"service.name": "e"}), InstrumentationScope("modeserve"),
                           schedule_delay_millis=60_000, max_export_batch_size=1000, max_queue_size=1000)

@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 
 from modeserve.engine.config import SchedulerConfig
-from modeserve.service.client import GenerateClient
-from modeserve.service.router_cmd import start_remote_router
+from modeserve.service.rpc.client import GenerateClient
+from modeserve.service.cli.router import start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_serve import generate_all, reference
 

@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeserve.engine import LLM, SamplingParams
-from modeserve.service.client import Completion, GenerateClient
-from modeserve.service.router_app import RouterApp, start_serve
+from modeserve.service.rpc.client import Completion, GenerateClient
+from modeserve.service.router.app import RouterApp, start_serve
 from tests.engine.tiny_models import COMMON, mixed_prompts
 
 ENGINE_ARGS = dict(page_size=4, kv_cache_tokens=4096, chunked_prefill_size=32, enable_mixed=True,

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from modeserve.service.client import Completion, GenerateClient
+from modeserve.service.rpc.client import Completion, GenerateClient
 
 
 def start(*args: str) -> tuple[subprocess.Popen[str], int]:
@@ -65,8 +65,8 @@ def test_client_command_against_serve_on_default_model() -> None:
 def test_startup_heap_is_frozen_before_serving() -> None:
     """What start-up leaves alive (torch and the service modules here) is moved out of the
     collector's generations: a full collection afterwards walks a small fraction of it."""
-    code = ("import gc, torch, modeserve.service.router_app\n"
-            "from modeserve.service.grpc_common import freeze_startup_heap\n"
+    code = ("import gc, torch, modeserve.service.router.app\n"
+            "from modeserve.service.rpc.grpc_server import freeze_startup_heap\n"
             "before = len(gc.get_objects())\n"
             "freeze_startup_heap()\n"
             "print(before, len(gc.get_objects()), gc.get_freeze_count())\n")
@@ -77,7 +77,7 @@ def test_startup_heap_is_frozen_before_serving() -> None:
 
 _SIGTERM_TO_ANOTHER_THREAD = """
 import signal, threading, time
-from modeserve.service.grpc_common import create_grpc_server, serve_until_signal
+from modeserve.service.rpc.grpc_server import create_grpc_server, serve_until_signal
 
 def send() -> None:
     while signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # until the handler is installed

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
-from modeserve.service.step_record import StepBatcher, StepRecord
-from modeserve.service.tracing import Tracing
+from modeserve.service.telemetry.step_record import StepBatcher, StepRecord
+from modeserve.service.telemetry.tracing import Tracing
 
 PARENT = SpanContext(0x1, 0x2, is_remote=False, trace_flags=TraceFlags(1))
 

@@ -9,7 +9,7 @@ import pytest
 
 from modeserve.engine.default_model import default_model_path
 from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
-from modeserve.service.text_stream import TextStream
+from modeserve.service.router.text_stream import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from modeserve.engine.config import EngineConfig, SchedulerConfig
 from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
-from modeserve.service.engine_server import create_engine_server
-from modeserve.service.router_cmd import start_remote_router
-from modeserve.service.tracing import Tracing
+from modeserve.service.rpc.engine_server import create_engine_server
+from modeserve.service.cli.router import start_remote_router
+from modeserve.service.telemetry.tracing import Tracing
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -116,7 +116,7 @@ def test_tracing_off_without_endpoint() -> None:
 
 
 def test_batch_settings_from_env() -> None:
-    from modeserve.service.tracing import batch_settings_from_env
+    from modeserve.service.telemetry.tracing import batch_settings_from_env
 
     assert batch_settings_from_env({}) == {"schedule_delay_millis": 5000, "max_export_batch_size": 2048,
                                            "max_queue_size": 8192, "export_timeout_millis": 30000}
@@ -131,8 +131,8 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     router's process, so the scheduler's step span is the forward span)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.client import GenerateClient
-    from modeserve.service.router_app import start_serve
+    from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.router.app import start_serve
 
     exporter = InMemorySpanExporter()
     app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
@@ -176,7 +176,7 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     import sys
     import threading
 
-    from modeserve.service.client import GenerateClient
+    from modeserve.service.rpc.client import GenerateClient
     from tests.service.test_metrics import by_mode, scrape
 
     with socket.socket() as s:
@@ -245,8 +245,8 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
 
 def _traced_loop(tiny_model: Path, tracing: Tracing) -> Any:
     from modeserve.engine.llm import LLM
-    from modeserve.service.engine_loop import EngineLoop
-    from modeserve.service.transport import InProcessTransport
+    from modeserve.service.router.rank_loop import EngineLoop
+    from modeserve.service.rpc.transport import InProcessTransport
 
     llm = LLM(model=str(tiny_model), page_size=4, max_running_requests=4)
     return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), tracing=tracing, name="traced")
@@ -274,7 +274,7 @@ def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> Non
     request it started in while that one runs."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.engine_loop import EngineLoop
+    from modeserve.service.router.rank_loop import EngineLoop
 
     exporter = InMemorySpanExporter()
     tracing = Tracing("router", 0, env={}, exporter=exporter)
@@ -318,7 +318,7 @@ def test_engine_reads_the_routers_trace_context() -> None:
     forms of ``traceparent`` go through the W3C propagator, and no context makes a root span."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.tracing import inject, remote_parent, start_forward_span
+    from modeserve.service.telemetry.tracing import inject, remote_parent, start_forward_span
 
     exporter = InMemorySpanExporter()
     engine = Tracing("engine", 1, env={}, exporter=exporter)
@@ -356,8 +356,8 @@ def test_cancelled_request_keeps_its_step_links(tiny_model: Path) -> None:
     stream is closed at a yield, and the request span still ends, linked to the steps that served it."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.client import GenerateClient
-    from modeserve.service.router_app import start_serve
+    from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.router.app import start_serve
 
     exporter = InMemorySpanExporter()
     app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),

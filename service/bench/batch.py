@@ -1,0 +1,67 @@
+"""The batch the GPU benchmarks time: random prompts on random weights (a named shape or a folder),
+added to an engine at once and prefilled the way the engine serves them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...engine.sampling_params import SamplingParams
+
+
+def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
+    """(folder, load_format): ``--model`` as given, else a config-only folder of ``--shape`` (a preset's
+    name, or the path of a Hugging Face ``config.json``)."""
+    from ...engine.models.random_checkpoint import write_config_only
+
+    if args.model:
+        return Path(args.model), "auto"
+    if args.shape.endswith(".json"):
+        return write_config_only(Path(tmp) / "shape", config_file(args.shape)), "dummy"
+    return write_config_only(Path(tmp) / args.shape, args.shape), "dummy"
+
+
+def config_file(path: str) -> dict[str, Any]:
+    """A ``config.json`` given as ``--shape``, read as a dict (ValueError when it is not one)."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--shape {path}: cannot read a JSON config ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"--shape {path}: a config.json holds one JSON object")
+    return config
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM`` arguments every GPU benchmark takes from its shared flags (``_gpu_bench_args``):
+    model folder aside, where the model runs and how its steps launch."""
+    return {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+            "disable_cuda_graph": args.disable_cuda_graph,
+            "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
+            "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (count, length), generator=g)
+
+
+def add_batch(llm: Any, prompts: list[list[int]], sp: SamplingParams) -> list[Any]:
+    reqs = [llm.make_request(p, sp) for p in prompts]
+    for r in reqs:
+        llm.add_request(r)
+    return reqs
+
+
+def prefill(llm: Any, reqs: list[Any]) -> int:
+    """``step()`` until every request has its first token (several steps when the prompts are longer
+    than one chunk); returns the number of steps."""
+    steps = 0
+    while not all(r.output_ids for r in reqs):
+        llm.step()
+        steps += 1
+    return steps

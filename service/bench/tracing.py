@@ -1,0 +1,198 @@
+"""What tracing costs: the decode step with 100% sampling (request and step spans, exported over
+OTLP/gRPC to a receiver on loopback, in its own process as a collector would be) against tracing
+off, on one engine, in interleaved runs.
+
+Each traced run ends when every span it made has been exported (a flush inside its timing), so the
+export is counted in full, as if it never overlapped the engine. A second untraced run per round
+gives the noise floor (off vs off); ratios are also taken per round (paired), which cancels slow
+drift in the machine's load. Every span made is counted and must reach the receiver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .serving import measure_decode
+from ..router.rank_loop import EngineLoop
+from ..telemetry.tracing import Tracing
+
+_RECEIVER = """
+import queue, sys, threading
+from concurrent import futures
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+# replies at once and parses afterwards (as a collector that queues what it receives): the engine's
+# flush waits for the reply, not for this process's parsing
+received, inbox = [0], queue.Queue()
+def count():
+    while (data := inbox.get()) is not None:
+        request = trace_service_pb2.ExportTraceServiceRequest.FromString(data)
+        received[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+def export(data, context):
+    inbox.put(data)
+    return trace_service_pb2.ExportTraceServiceResponse()
+counter = threading.Thread(target=count)
+counter.start()
+server = grpc.server(futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+    "opentelemetry.proto.collector.trace.v1.TraceService",
+    {"Export": grpc.unary_unary_rpc_method_handler(
+        export, response_serializer=trace_service_pb2.ExportTraceServiceResponse.SerializeToString)})])
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+sys.stdin.read()
+server.stop(0)
+inbox.put(None)
+counter.join()
+print(received[0], flush=True)
+"""
+
+
+class _GcClock:
+    """Garbage collections (count by generation, seconds) during the runs of each configuration:
+    a traced run keeps its spans alive until the flush, which may bring full collections forward."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.current: str | None = None
+        self.counts = {name: [0, 0, 0] for name in names}
+        self.seconds = dict.fromkeys(self.counts, 0.0)
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if self.current is None:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.counts[self.current][info["generation"]] += 1
+        self.seconds[self.current] += time.perf_counter() - self._started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class _DroppingExporter:
+    """Counts the spans it is given and drops them (``--exporter none``: what making spans costs)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._lock = threading.Lock()  # request spans and step spans export from two threads
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        with self._lock:
+            self.received += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class _Receiver:
+    """A loopback OTLP trace receiver in a process of its own that counts the spans it is sent."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+
+    def close(self) -> int:
+        """Stop it; the number of spans received."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.close()
+        received = int(self._proc.stdout.readline())
+        self._proc.wait(timeout=10)
+        return received
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ...engine.llm import LLM
+    from ...engine.models.random_checkpoint import write_random_checkpoint
+    from ..rpc.transport import InProcessTransport
+
+    receiver = _Receiver() if args.exporter == "otlp" else None  # before the pinning below: not on its CPUs
+    if args.cpus:  # every thread of the process, and those made later, on these CPUs
+        cpus = {int(c) for c in args.cpus.split(",")}
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
+    tmp = tempfile.TemporaryDirectory()
+    model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
+    torch.set_num_threads(args.threads)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port if receiver else 0}",
+           "OTEL_TRACES_SAMPLER": "always_on"}
+    dropping = _DroppingExporter()
+    on = (Tracing("bench", 0, env=env) if receiver is not None else
+          Tracing("bench", 0, env=env, exporter=dropping, batched=True))  # type: ignore[arg-type]
+    configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
+    llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
+    loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")
+    loop.start()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
+    spans_created, traced_runs = 0, 0
+    gc_clock = _GcClock(configs)
+    # Round 0 warms up. The rounds go through the six orders of the three runs in a cycle where, every
+    # six rounds, each run comes first, second and third twice and right after each other run three
+    # times (never after itself): what a run leaves behind (a collection to do, caches) weighs alike.
+    orders = list(itertools.permutations(configs))
+    for rep in range(args.repeats + 1):
+        for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
+            loop.tracing = configs[name]  # one engine for all: between runs no step is in flight
+            steps_before = sum(loop.scheduler.stats.mode_counts.values())
+            gc_clock.current = name if rep else None
+            us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
+            gc_clock.current = None
+            if configs[name] is not None:  # a span per request, and one per step
+                spans_created += 2 * args.batch_size + sum(loop.scheduler.stats.mode_counts.values()) - steps_before
+                traced_runs += 2  # measure_decode: a long run and a short one
+            if rep:
+                samples[name].append(us)
+    gc_clock.close()
+    loop.stop()
+    on.shutdown()
+    received = receiver.close() if receiver is not None else dropping.received
+    tmp.cleanup()
+
+    def median(name: str, i: int) -> float:
+        return statistics.median(s[i] for s in samples[name])
+
+    def paired(a: str, b: str, i: int) -> float:  # each round's a vs b: slow drift in load cancels
+        return round(statistics.median(x[i] / y[i] - 1 for x, y in zip(samples[a], samples[b])), 4)
+
+    off, on_us = median("tracing_off", 0), median("tracing_on", 0)
+    return {"bench": "tracing", "model": args.model or f"random:{args.shape}", "device": args.device,
+            "batch_size": args.batch_size, "decode_steps": args.steps, "repeats": args.repeats, "cpus": args.cpus,
+            "us_per_decode_step": {"tracing_off": round(off, 1), "tracing_on": round(on_us, 1)},
+            "overhead_ratio": round(on_us / off - 1, 4),
+            "noise_floor_ratio": round(median("tracing_off_again", 0) / off - 1, 4),  # both untraced
+            "paired_overhead_ratio": paired("tracing_on", "tracing_off", 0),
+            "paired_noise_floor_ratio": paired("tracing_off_again", "tracing_off", 0),
+            "cpu_us_per_decode_step": {n: round(median(n, 1), 1) for n in configs},  # all threads
+            "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
+                           for n, v in samples.items()},
+            "exporter": args.exporter,
+            # exporting at the end of each traced run (encode + send, in the bench thread): mean per run
+            # (a long and a short run per measurement: only their difference counts in the step time)
+            "flush_ms_per_run": round(on.flush_seconds / max(traced_runs, 1) * 1e3, 3),
+            # collections by generation [0, 1, 2] and their time, over each configuration's measured runs
+            "gc_collections": gc_clock.counts, "gc_ms": {n: round(s * 1e3, 2) for n, s in gc_clock.seconds.items()},
+            "spans_created": spans_created, "spans_received": received}

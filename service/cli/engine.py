@@ -1,0 +1,48 @@
+"""``modeserve engine``: serve one model runner over gRPC (``modeserve.v1.Engine``) until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from .engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("engine", help="serve a model runner over gRPC (engine pod)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on stdout)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--dp-rank", type=int, default=0, help="this engine's data-parallel rank (reported by Describe)")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight streams get to finish after SIGTERM")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...engine.builder import build_engine
+    from ..rpc.engine_server import create_engine_server
+    from ..rpc.grpc_server import grpc_address, serve_until_signal
+
+    if args.dp_rank < 0:
+        raise ValueError(f"--dp-rank must be >= 0, got {args.dp_rank}")
+    if args.grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+    address = grpc_address(args.host, args.port)
+    parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
+    runner = parts.runner
+    srv = create_engine_server(runner, address, model_path=str(parts.path), eos_token_ids=parts.eos_token_ids,
+                               dp_rank=args.dp_rank, metrics_port=args.metrics_port)
+    host = address.rsplit(":", 1)[0]
+    print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
+    logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,
+                runner.num_kv_slots, runner.device)
+    code = serve_until_signal(srv, args.grace_period)
+    sys.stdout.flush()
+    return code

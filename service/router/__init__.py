@@ -1,0 +1,1 @@
+"""modeserve.service.router."""

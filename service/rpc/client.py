@@ -1,0 +1,83 @@
+"""A small Python client for ``modeserve.v1.Generate``, and the ``modeserve client`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import grpc
+
+from ...proto.v1 import generate_pb2, generate_pb2_grpc
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_messages: int = 0
+
+
+class GenerateClient:
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = generate_pb2_grpc.GenerateStub(self.channel)
+
+    def stream(self, text: str = "", token_ids: Sequence[int] = (), chat: bool = False,
+               timeout: float | None = None, request_id: str = "",
+               **sampling: Any) -> Iterator[generate_pb2.GenerateResponse]:
+        req = generate_pb2.GenerateRequest(request_id=request_id, text=text, token_ids=list(token_ids), chat=chat,
+                                           sampling=generate_pb2.SamplingParams(**sampling))
+        return self.stub.Generate(req, timeout=timeout)  # type: ignore[no-any-return]
+
+    def generate(self, text: str = "", token_ids: Sequence[int] = (), chat: bool = False,
+                 timeout: float | None = None, **sampling: Any) -> Completion:
+        out = Completion()
+        for msg in self.stream(text, token_ids, chat, timeout, **sampling):
+            out.token_ids.extend(msg.token_ids)
+            out.text += msg.text
+            out.num_messages += 1
+            if msg.finish_reason:
+                out.finish_reason = msg.finish_reason
+                out.prompt_tokens = msg.usage.prompt_tokens
+                out.completion_tokens = msg.usage.completion_tokens
+        return out
+
+    def tokenize(self, text: str, chat: bool = False) -> list[int]:
+        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(text=text, chat=chat)).token_ids)
+
+    def model_info(self) -> generate_pb2.ModelInfoResponse:
+        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("client", help="send one prompt to a Generate server, stream")
+    p.add_argument("prompt")
+    p.add_argument("--server", default="localhost:50051")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    client = GenerateClient(args.server)
+    try:
+        for msg in client.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except grpc.RpcError as exc:
+        print(f"modeserve client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0

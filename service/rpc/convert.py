@@ -1,0 +1,288 @@
+"""Wire form <-> engine form of a step: the one place ``forward_pb2`` meets ``ForwardBatch``.
+
+Arrays travel as packed little-endian bytes and are decoded with ``np.frombuffer`` (zero-copy,
+read-only views of the message's bytes). Decoding a batch validates everything the runner indexes
+with — slot-table rows, positions, KV slots, token ids — in O(batch) vectorised numpy, so a bad
+batch is a ``ValueError`` naming the field instead of a device fault or a corrupted slot table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+from ...engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
+from ...engine.forward_mode import ForwardMode
+from ...engine.sampling_params import SamplingParams
+from ...engine.scheduler.stats import ForwardModeStats
+from ...proto.v1 import forward_pb2, generate_pb2
+
+_I64 = np.dtype("<i8")
+_F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_NO_LOGPROBS = -1
+
+
+class BatchLimits(NamedTuple):
+    """What a batch may index on the receiving engine."""
+
+    max_reqs: int  # rows of the request->slot table
+    max_context: int  # positions per row
+    num_kv_slots: int  # token slots of the KV pool
+    vocab_size: int
+
+
+# ---- packing ---------------------------------------------------------------------------------
+def _pack(a: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def _unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:
+    if len(data) % dtype.itemsize:
+        raise ValueError(f"{field}: {len(data)} bytes is not a multiple of {dtype.itemsize} ({dtype.name})")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _check_range(a: np.ndarray, lo: int, hi: int, field: str) -> None:
+    """Every value in [lo, hi); names the first offender."""
+    if a.size and (int(a.min()) < lo or int(a.max()) >= hi):
+        i = int(np.flatnonzero((a < lo) | (a >= hi))[0])
+        raise ValueError(f"{field}[{i}] = {int(a[i])} is outside [{lo}, {hi})")
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def _sampling_to_proto(sp: SamplingParams) -> forward_pb2.SlotSampling:
+    return forward_pb2.SlotSampling(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=min(max(sp.top_k, _INT32_MIN), _INT32_MAX),  # the sampler clamps to the vocabulary
+        min_p=sp.min_p,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        logprobs=_NO_LOGPROBS if sp.logprobs is None else sp.logprobs,
+    )
+
+
+def _sampling_from_proto(s: forward_pb2.SlotSampling, field: str) -> SamplingParams:
+    """The engine-side params: only what ``SlotState.admit`` reads; the rest (stop conditions,
+    ``max_new_tokens``, ``seed`` — it travels in the admission) is scheduler business and defaults."""
+    floats = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+    for name in floats:
+        if not math.isfinite(getattr(s, name)):
+            raise ValueError(f"{field}.{name} must be finite, got {getattr(s, name)}")
+    try:
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            logprobs=None if s.logprobs == _NO_LOGPROBS else s.logprobs,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+
+
+# ---- batch -----------------------------------------------------------------------------------
+def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
+    return forward_pb2.ForwardBatch(
+        step=b.step,
+        padded_batch_size=b.padded_batch_size,
+        trace_context=dict(b.trace_context),
+        forward_mode=int(b.forward_mode),
+        req_pool_indices=_pack(b.req_pool_indices, _I64),
+        prefix_lens=_pack(b.prefix_lens, _I64),
+        extend_lens=_pack(b.extend_lens, _I64),
+        sample_mask=_pack(b.sample_mask, _U8),
+        input_ids=_pack(b.input_ids, _I64),
+        positions=_pack(b.positions, _I64),
+        out_cache_loc=_pack(b.out_cache_loc, _I64),
+        admissions=[
+            forward_pb2.ReqAdmission(req_pool_idx=a.req_pool_idx, sampling=_sampling_to_proto(a.sampling),
+                                     seed=a.seed, prompt_len=a.prompt_len)
+            for a in b.admissions
+        ],
+        slot_updates=[
+            forward_pb2.SlotUpdate(req_pool_idx=u.req_pool_idx, start=u.start, kv_locs=_pack(u.kv_locs, _I64),
+                                   token_ids=b"" if u.token_ids is None else _pack(u.token_ids, _I64))
+            for u in b.slot_updates
+        ],
+    )
+
+
+def _mode_from_proto(value: int) -> ForwardMode:
+    if value == forward_pb2.FORWARD_MODE_UNSPECIFIED:
+        raise ValueError("forward_mode is unspecified (0); set the step's mode")
+    try:
+        return ForwardMode(value)  # a known but unimplemented mode converts; the runner refuses it
+    except ValueError:
+        known = ", ".join(f"{m.name}={int(m)}" for m in ForwardMode)
+        raise ValueError(f"forward_mode {value} is not a forward mode (known: {known})") from None
+
+
+def _check_requests(req_pool: np.ndarray, prefix: np.ndarray, ext: np.ndarray, mask: np.ndarray,
+                    limits: BatchLimits) -> None:
+    num_reqs = req_pool.shape[0]
+    for name, arr in (("prefix_lens", prefix), ("extend_lens", ext), ("sample_mask", mask)):
+        if arr.shape[0] != num_reqs:
+            raise ValueError(f"{name} has {arr.shape[0]} entries but req_pool_indices has {num_reqs} "
+                             f"(one per request)")
+    _check_range(req_pool, 0, limits.max_reqs, "req_pool_indices")
+    if num_reqs > 1 and np.unique(req_pool).shape[0] != num_reqs:
+        raise ValueError("req_pool_indices: a slot-table row appears twice in one batch")
+    _check_range(prefix, 0, limits.max_context + 1, "prefix_lens")
+    _check_range(ext, 0, limits.max_context + 1, "extend_lens")
+    seq_lens = prefix + ext  # no overflow: both checked above
+    if num_reqs and int(seq_lens.max()) > limits.max_context:
+        i = int(np.argmax(seq_lens))
+        raise ValueError(f"prefix_lens[{i}] + extend_lens[{i}] = {int(seq_lens[i])} exceeds max_context "
+                         f"{limits.max_context}")
+    if num_reqs and int(mask.max()) > 1:
+        raise ValueError(f"sample_mask[{int(np.argmax(mask > 1))}] = {int(mask.max())}; each entry must be 0 or 1")
+    empty_samplers = np.flatnonzero((mask != 0) & (ext == 0))
+    if empty_samplers.size:
+        raise ValueError(f"sample_mask[{int(empty_samplers[0])}] is set but extend_lens is 0 (nothing to sample from)")
+
+
+def _check_tokens(prefix: np.ndarray, ext: np.ndarray, ids: np.ndarray, pos: np.ndarray, loc: np.ndarray,
+                  limits: BatchLimits) -> None:
+    num_tokens = int(ext.sum())
+    for name, arr in (("input_ids", ids), ("positions", pos), ("out_cache_loc", loc)):
+        if arr.shape[0] != num_tokens:
+            raise ValueError(f"{name} has {arr.shape[0]} entries but sum(extend_lens) = {num_tokens}")
+    _check_range(ids, -1, limits.vocab_size, "input_ids")  # -1: overlap placeholder
+    _check_range(loc, 0, limits.num_kv_slots, "out_cache_loc")
+    # Request r's tokens sit at positions prefix_lens[r], prefix_lens[r] + 1, ... in batch order.
+    token_start = np.cumsum(ext) - ext  # [B]
+    expected = np.arange(num_tokens, dtype=np.int64) + np.repeat(prefix - token_start, ext)  # [T]
+    bad = np.flatnonzero(pos != expected)
+    if bad.size:
+        t = int(bad[0])
+        r = int(np.searchsorted(token_start + ext, t, side="right"))
+        raise ValueError(f"positions[{t}] = {int(pos[t])} but request {r} (prefix_lens {int(prefix[r])}, "
+                         f"extend_lens {int(ext[r])}) puts position {int(expected[t])} there")
+
+
+def _admissions_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> tuple[ReqAdmission, ...]:
+    out = []
+    for i, a in enumerate(m.admissions):
+        field = f"admissions[{i}]"
+        if not 0 <= a.req_pool_idx < limits.max_reqs:
+            raise ValueError(f"{field}.req_pool_idx = {a.req_pool_idx} is outside [0, {limits.max_reqs})")
+        if not 0 <= a.prompt_len <= limits.max_context:
+            raise ValueError(f"{field}.prompt_len = {a.prompt_len} is outside [0, {limits.max_context}]")
+        if not a.HasField("sampling"):
+            raise ValueError(f"{field}.sampling is missing")
+        sampling = _sampling_from_proto(a.sampling, f"{field}.sampling")
+        out.append(ReqAdmission(a.req_pool_idx, sampling, a.seed, a.prompt_len))
+    return tuple(out)
+
+
+def _slot_updates_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> tuple[SlotUpdate, ...]:
+    out = []
+    for i, u in enumerate(m.slot_updates):
+        field = f"slot_updates[{i}]"
+        if not 0 <= u.req_pool_idx < limits.max_reqs:
+            raise ValueError(f"{field}.req_pool_idx = {u.req_pool_idx} is outside [0, {limits.max_reqs})")
+        locs = _unpack(u.kv_locs, _I64, f"{field}.kv_locs")
+        if not 0 <= u.start <= limits.max_context - locs.shape[0]:
+            raise ValueError(f"{field}: start {u.start} + {locs.shape[0]} kv_locs does not fit in "
+                             f"max_context {limits.max_context}")
+        _check_range(locs, 0, limits.num_kv_slots, f"{field}.kv_locs")
+        ids = None
+        if u.token_ids:
+            ids = _unpack(u.token_ids, _I64, f"{field}.token_ids")
+            if ids.shape != locs.shape:
+                raise ValueError(f"{field}: {ids.shape[0]} token_ids for {locs.shape[0]} kv_locs")
+            _check_range(ids, 0, limits.vocab_size, f"{field}.token_ids")
+        out.append(SlotUpdate(u.req_pool_idx, u.start, locs, ids))
+    return tuple(out)
+
+
+def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> ForwardBatch:
+    """Decode and validate; ``ValueError`` naming the field for anything the runner must not see."""
+    mode = _mode_from_proto(m.forward_mode)
+    req_pool = _unpack(m.req_pool_indices, _I64, "req_pool_indices")
+    prefix = _unpack(m.prefix_lens, _I64, "prefix_lens")
+    ext = _unpack(m.extend_lens, _I64, "extend_lens")
+    mask = _unpack(m.sample_mask, _U8, "sample_mask")
+    ids = _unpack(m.input_ids, _I64, "input_ids")
+    pos = _unpack(m.positions, _I64, "positions")
+    loc = _unpack(m.out_cache_loc, _I64, "out_cache_loc")
+    _check_requests(req_pool, prefix, ext, mask, limits)
+    _check_tokens(prefix, ext, ids, pos, loc, limits)
+    if not -1 <= m.padded_batch_size <= limits.max_reqs:
+        raise ValueError(f"padded_batch_size = {m.padded_batch_size} is outside [-1, {limits.max_reqs}]")
+    return ForwardBatch(
+        forward_mode=mode,
+        req_pool_indices=req_pool,
+        prefix_lens=prefix,
+        extend_lens=ext,
+        sample_mask=mask.view(np.bool_),  # values checked to be 0/1
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=loc,
+        admissions=_admissions_from_proto(m, limits),
+        slot_updates=_slot_updates_from_proto(m, limits),
+        step=m.step,
+        padded_batch_size=m.padded_batch_size,
+        trace_context=dict(m.trace_context),
+    )
+
+
+# ---- result ----------------------------------------------------------------------------------
+def result_to_proto(r: ForwardResult, step: int, seconds: float) -> forward_pb2.ForwardResult:
+    m = forward_pb2.ForwardResult(step=step, next_token_ids=_pack(r.next_token_ids, _I64), forward_seconds=seconds)
+    if r.logprobs is not None:
+        m.logprobs = _pack(r.logprobs, _F32)
+        if r.top_logprob_ids is not None and r.top_logprob_values is not None:
+            m.top_n = int(r.top_logprob_ids.shape[1])
+            m.top_logprob_ids = _pack(r.top_logprob_ids, _I64)
+            m.top_logprob_values = _pack(r.top_logprob_values, _F32)
+    return m
+
+
+def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
+    """Decode an engine's answer; ``ValueError`` when its arrays disagree in length."""
+    next_ids = _unpack(m.next_token_ids, _I64, "next_token_ids")
+    if not m.logprobs:
+        return ForwardResult(next_token_ids=next_ids)
+    num_samples = next_ids.shape[0]
+    logprobs = _unpack(m.logprobs, _F32, "logprobs")
+    if logprobs.shape[0] != num_samples:
+        raise ValueError(f"logprobs has {logprobs.shape[0]} entries but next_token_ids has {num_samples}")
+    if m.top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {m.top_n}")
+    top_ids = _unpack(m.top_logprob_ids, _I64, "top_logprob_ids")
+    top_values = _unpack(m.top_logprob_values, _F32, "top_logprob_values")
+    for name, arr in (("top_logprob_ids", top_ids), ("top_logprob_values", top_values)):
+        if arr.shape[0] != num_samples * m.top_n:
+            raise ValueError(f"{name} has {arr.shape[0]} entries, expected {num_samples} x top_n {m.top_n}")
+    return ForwardResult(
+        next_token_ids=next_ids,
+        logprobs=logprobs,
+        top_logprob_ids=top_ids.reshape(num_samples, m.top_n),
+        top_logprob_values=top_values.reshape(num_samples, m.top_n),
+    )
+
+
+# ---- per-mode statistics ---------------------------------------------------------------------
+def mode_stats_to_proto(stats: Iterable[ForwardModeStats]) -> list[generate_pb2.ModeStat]:
+    """Per-mode totals summed over ``stats`` (one per rank), in ForwardMode order."""
+    total: dict[str, list[float]] = {}
+    for st in stats:
+        for mode, n in list(st.mode_counts.items()):
+            row = total.setdefault(mode, [0, 0, 0, 0.0])
+            row[0] += n
+            row[1] += st.mode_tokens.get(mode, 0)
+            row[2] += st.mode_requests.get(mode, 0)
+            row[3] += st.mode_seconds.get(mode, 0.0)
+    order = {m.name: int(m) for m in ForwardMode}
+    return [generate_pb2.ModeStat(mode=m, steps=int(r[0]), tokens=int(r[1]), requests=int(r[2]), seconds=r[3])
+            for m, r in sorted(total.items(), key=lambda kv: order.get(kv[0], 99))]
