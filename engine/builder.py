@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from modeserve.engine.config import EngineConfig
-from modeserve.engine.default_model import default_model_path
-from modeserve.engine.models.loader import Checkpoint, open_checkpoint
-from modeserve.engine.runner.model_runner import ModelRunner
-from modeserve.engine.tokenizer import Tokenizer, load_tokenizer
+from .config import EngineConfig
+from .default_model import default_model_path
+from .models.loader import Checkpoint, open_checkpoint
+from .runner.model_runner import ModelRunner
+from .tokenizer import Tokenizer, load_tokenizer
 
 
 class EngineParts(NamedTuple):

@@ -11,8 +11,8 @@ from typing import Mapping
 
 import numpy as np
 
-from modeserve.engine.forward_mode import ForwardMode
-from modeserve.engine.sampling_params import SamplingParams
+from .forward_mode import ForwardMode
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

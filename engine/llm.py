@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from modeserve.engine.builder import build_engine
-from modeserve.engine.forward_batch import ForwardResult
-from modeserve.engine.request import Req
-from modeserve.engine.sampling_params import SamplingParams
-from modeserve.engine.runner.host_io import PendingResult
-from modeserve.engine.scheduler.scheduler import ReqEvent, ScheduledStep, Scheduler
-from modeserve.engine.tokenizer import Tokenizer
+from .builder import build_engine
+from .forward_batch import ForwardResult
+from .request import Req
+from .sampling_params import SamplingParams
+from .runner.host_io import PendingResult
+from .scheduler.scheduler import ReqEvent, ScheduledStep, Scheduler
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

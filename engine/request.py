@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from modeserve.engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (the engine resolves it)

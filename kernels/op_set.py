@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from modeserve.kernels import ops, sampling
+from . import ops, sampling
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -48,12 +48,12 @@ def resolve_kernel_backend(name: str, device: torch.device) -> str:
 def kernel_ops(name: str, device: torch.device) -> KernelOps:
     if resolve_kernel_backend(name, device) == "torch":
         return TORCH_OPS
-    from modeserve.kernels.triton import ops as triton_ops
-    from modeserve.kernels.triton.argmax import argmax
-    from modeserve.kernels.triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
-    from modeserve.kernels.triton.rotary import store_kv
-    from modeserve.kernels.triton.sampling import sample_sorted
-    from modeserve.kernels.triton.slots import record_tokens
+    from .triton import ops as triton_ops
+    from .triton.argmax import argmax
+    from .triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
+    from .triton.rotary import store_kv
+    from .triton.sampling import sample_sorted
+    from .triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,

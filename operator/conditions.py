@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from modeserve.operator.ranks import ScalePlan
+from .ranks import ScalePlan
 
 Obj = dict[str, Any]
 TYPES = ("Available", "Progressing", "Degraded")

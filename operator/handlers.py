@@ -18,9 +18,9 @@ from typing import Any
 
 import kopf
 
-from modeserve.operator.reconcile import EngineSetReconciler
-from modeserve.operator.resources import GROUP, VERSION
-from modeserve.operator.spec import InvalidSpec
+from .reconcile import EngineSetReconciler
+from .resources import GROUP, VERSION
+from .spec import InvalidSpec
 
 PLURAL = "enginesets"
 FINALIZER = "modeserve.io/engineset-cleanup"

@@ -17,7 +17,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from modeserve.operator.apply import annotated, merge_patch
+from .apply import annotated, merge_patch
 
 Obj = dict[str, Any]
 PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from modeserve.operator.resources import POD_INDEX_LABEL, rank_address
+from .resources import POD_INDEX_LABEL, rank_address
 
 Obj = dict[str, Any]
 

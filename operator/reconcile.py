@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modeserve.operator import resources as res
-from modeserve.operator.conditions import conditions, invalid_spec_conditions
-from modeserve.operator.kube import Kube
-from modeserve.operator.ranks import ScalePlan, plan_scale, rank_views, router_ranks
-from modeserve.operator.router_client import AdminClient, RouterStates, RouterUnreachable, router_address
-from modeserve.operator.spec import EngineSetSpec, InvalidSpec, parse_spec
+from . import resources as res
+from .conditions import conditions, invalid_spec_conditions
+from .kube import Kube
+from .ranks import ScalePlan, plan_scale, rank_views, router_ranks
+from .router_client import AdminClient, RouterStates, RouterUnreachable, router_address
+from .spec import EngineSetSpec, InvalidSpec, parse_spec
 
 Obj = dict[str, Any]
 ES_API = f"{res.GROUP}/{res.VERSION}"

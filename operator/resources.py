@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modeserve.operator.spec import EngineSetSpec
+from .spec import EngineSetSpec
 
 ENGINE_PORT = 50061
 ROUTER_PORT = 50051

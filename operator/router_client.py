@@ -11,9 +11,9 @@ from typing import Protocol
 
 import grpc
 
-from modeserve.operator.ranks import RouterRank
-from modeserve.operator.resources import ROUTER_PORT
-from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
+from .ranks import RouterRank
+from .resources import ROUTER_PORT
+from ..proto.v1 import admin_pb2, admin_pb2_grpc
 
 RouterStates = dict[int, str]
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from modeserve.engine.config import RunnerConfig, SchedulerConfig
+from ..engine.config import RunnerConfig, SchedulerConfig
 
 # engine arguments an EngineSet may set: the engine CLI's flags (config fields), minus what the
 # operator owns itself (the model path, the port)

@@ -11,11 +11,11 @@ from typing import Iterable, cast
 import torch
 from torch import nn
 
-from modeserve.engine.models.linear import Linear
-from modeserve.engine.models.model_config import ModelConfig
-from modeserve.kernels import ops
-from modeserve.kernels.attention.base import AttentionBackend
-from modeserve.kernels.op_set import TORCH_OPS, KernelOps
+from .linear import Linear
+from .model_config import ModelConfig
+from ...kernels import ops
+from ...kernels.attention.base import AttentionBackend
+from ...kernels.op_set import TORCH_OPS, KernelOps
 
 
 class RMSNorm(nn.Module):

@@ -10,9 +10,9 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from safetensors import safe_open
 
-from modeserve.engine.models.llama import LlamaForCausalLM
-from modeserve.engine.models.model_config import ModelConfig, parse_model_config
-from modeserve.kernels.op_set import TORCH_OPS, KernelOps
+from .llama import LlamaForCausalLM
+from .model_config import ModelConfig, parse_model_config
+from ...kernels.op_set import TORCH_OPS, KernelOps
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     if p.is_file():
         if p.suffix != ".gguf":
             raise ValueError(f"model file {str(p)!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
-        from modeserve.engine.models.gguf_loader import read_gguf_checkpoint
+        from .gguf_loader import read_gguf_checkpoint
 
         ckpt = read_gguf_checkpoint(p)
         return Checkpoint(p, parse_model_config(ckpt.config, name=p.stem), True, 0)
@@ -65,7 +65,7 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
 
 def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     if ckpt.is_gguf:
-        from modeserve.engine.models.gguf_loader import iter_gguf_tensors
+        from .gguf_loader import iter_gguf_tensors
 
         yield from iter_gguf_tensors(ckpt.path, dtype)
         return

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from modeserve.engine.models.model_config import parse_model_config
+from .model_config import parse_model_config
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
           "rms_norm_eps": 1e-5, "hidden_act": "silu"}

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from modeserve.engine.forward_mode import ForwardMode
-from modeserve.engine.models.llama import LlamaForCausalLM
-from modeserve.engine.runner.host_io import upload_into
-from modeserve.kernels.attention.base import AttentionBackend, GraphInputs
+from ..forward_mode import ForwardMode
+from ..models.llama import LlamaForCausalLM
+from .host_io import upload_into
+from ...kernels.attention.base import AttentionBackend, GraphInputs
 
 logger = logging.getLogger(__name__)
 

@@ -13,19 +13,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from modeserve.engine.config import RunnerConfig
-from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
-from modeserve.engine.forward_mode import ForwardMode
-from modeserve.engine.models.linear import choose_gemv
-from modeserve.engine.models.loader import Checkpoint, load_model, torch_dtype
-from modeserve.engine.runner import sampler
-from modeserve.engine.runner.cuda_graph_runner import CudaGraphRunner
-from modeserve.engine.runner.host_io import PendingResult, upload
-from modeserve.engine.runner.piecewise_graphs import PiecewiseExtend
-from modeserve.engine.runner.slot_state import SlotState
-from modeserve.kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
-from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.op_set import kernel_ops
+from ..config import RunnerConfig
+from ..forward_batch import ForwardBatch, ForwardResult
+from ..forward_mode import ForwardMode
+from ..models.linear import choose_gemv
+from ..models.loader import Checkpoint, load_model, torch_dtype
+from . import sampler
+from .cuda_graph_runner import CudaGraphRunner
+from .host_io import PendingResult, upload
+from .piecewise_graphs import PiecewiseExtend
+from .slot_state import SlotState
+from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
+from ...kernels.attention.kv_cache import KVCache
+from ...kernels.op_set import kernel_ops
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
-from modeserve.engine.models.llama import LlamaForCausalLM
-from modeserve.kernels.attention.base import AttentionBackend
+from ..models.llama import LlamaForCausalLM
+from ...kernels.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 

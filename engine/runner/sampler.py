@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from modeserve.kernels import sampling as kernel_sampling
+from ...kernels import sampling as kernel_sampling
 
 
 @dataclass

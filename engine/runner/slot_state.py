@@ -11,10 +11,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from modeserve.engine.forward_batch import ReqAdmission, SlotUpdate
-from modeserve.engine.runner.host_io import upload
-from modeserve.engine.runner.sampler import SamplingTensors
-from modeserve.kernels import ops
+from ..forward_batch import ReqAdmission, SlotUpdate
+from .host_io import upload
+from .sampler import SamplingTensors
+from ...kernels import ops
 
 
 class SlotState:

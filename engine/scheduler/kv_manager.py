@@ -9,10 +9,10 @@ from typing import Sequence
 
 import numpy as np
 
-from modeserve.engine.forward_batch import SlotUpdate
-from modeserve.engine.request import Req
-from modeserve.engine.scheduler.kv_allocator import PagePool, extend_slots, pages_needed
-from modeserve.engine.scheduler.radix_cache import RadixCache
+from ..forward_batch import SlotUpdate
+from ..request import Req
+from .kv_allocator import PagePool, extend_slots, pages_needed
+from .radix_cache import RadixCache
 
 
 class KVManager:

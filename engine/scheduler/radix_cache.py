@@ -21,7 +21,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from modeserve.engine.scheduler.kv_allocator import PagePool
+from .kv_allocator import PagePool
 
 
 class RadixNode:

@@ -15,14 +15,14 @@ from typing import Callable
 
 import numpy as np
 
-from modeserve.engine.config import SchedulerConfig
-from modeserve.engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
-from modeserve.engine.forward_mode import ForwardMode, determine_forward_mode
-from modeserve.engine.request import PLACEHOLDER, Req, ReqStatus
-from modeserve.engine.sampling_params import SamplingParams
-from modeserve.engine.scheduler.kv_manager import KVManager
-from modeserve.engine.scheduler.stats import ForwardModeStats
-from modeserve.engine.scheduler.stop import StopChecker
+from ..config import SchedulerConfig
+from ..forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
+from ..forward_mode import ForwardMode, determine_forward_mode
+from ..request import PLACEHOLDER, Req, ReqStatus
+from ..sampling_params import SamplingParams
+from .kv_manager import KVManager
+from .stats import ForwardModeStats
+from .stop import StopChecker
 
 logger = logging.getLogger(__name__)
 

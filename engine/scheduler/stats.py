@@ -6,7 +6,7 @@ import bisect
 from collections import defaultdict
 from typing import Any
 
-from modeserve.engine.forward_mode import ForwardMode
+from ..forward_mode import ForwardMode
 
 
 # upper bounds (seconds) of the step-time histogram: 0.5 ms .. 10 s

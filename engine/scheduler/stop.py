@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from modeserve.engine.request import Req
+from ..request import Req
 
 
 class StopChecker:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from modeserve.engine.forward_mode import ForwardMode
+from ...engine.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
-    from modeserve.kernels.attention.kv_cache import KVCache
+    from .kv_cache import KVCache
 
 
 @dataclass(frozen=True)

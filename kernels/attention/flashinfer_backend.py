@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
-from modeserve.kernels.attention.kv_cache import KVCache
+from .base import AttentionBackend, AttentionInputs, GraphInputs
+from .kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
-from modeserve.kernels.attention.kv_cache import KVCache
+from .base import AttentionBackend, AttentionInputs, GraphInputs
+from .kv_cache import KVCache
 
 TRITON_DECODE_MAX_ROWS = 512  # above: FlashInfer (the largest batch measured)
 
@@ -32,11 +32,11 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         """``flashinfer``/``triton``: the two backends (built here when not given)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         if flashinfer is None:
-            from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
+            from .flashinfer_backend import FlashInferAttentionBackend
 
             flashinfer = FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
         if triton is None:
-            from modeserve.kernels.attention.triton_backend import TritonAttentionBackend
+            from .triton_backend import TritonAttentionBackend
 
             triton = TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
         self._flashinfer, self._triton = flashinfer, triton

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from modeserve.kernels import ops
+from .. import ops
 
 
 class KVCache:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs
+from .base import AttentionBackend, AttentionInputs
 
 
 @dataclass

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs
-from modeserve.kernels.attention.kv_cache import KVCache
-from modeserve.kernels.triton.attention_decode import DecodeRotary, DecodeTiles, decode_attention
-from modeserve.kernels.triton.attention_extend import extend_attention
+from .base import AttentionBackend, AttentionInputs, GraphInputs
+from .kv_cache import KVCache
+from ..triton.attention_decode import DecodeRotary, DecodeTiles, decode_attention
+from ..triton.attention_extend import extend_attention
 
 
 @dataclass(frozen=True)

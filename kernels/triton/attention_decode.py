@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue, pdl_release, pdl_wait
-from modeserve.kernels.triton.rotary import _round
+from .pdl import pdl_args, pdl_prologue, pdl_release, pdl_wait
+from .rotary import _round
 
 LOG2E = 1.4426950408889634
 

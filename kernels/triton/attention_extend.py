@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from modeserve.kernels.triton.attention_decode import LOG2E
+from .attention_decode import LOG2E
 
 
 @triton.jit

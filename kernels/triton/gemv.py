@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.graph_timing import cold_weight_seconds
-from modeserve.kernels.triton.norm import _normalize
-from modeserve.kernels.triton.pdl import pdl_enabled, pdl_release, pdl_wait
+from ..graph_timing import cold_weight_seconds
+from .norm import _normalize
+from .pdl import pdl_enabled, pdl_release, pdl_wait
 
 # the fp32 accumulator is a whole tile: at most 32 registers a thread (4 warps up to 4k elements, 8 above)
 CONFIGS = [

@@ -5,8 +5,8 @@ Same names, signatures and semantics as the torch references, so a model may use
 
 from __future__ import annotations
 
-from modeserve.kernels.triton.activation import silu_and_mul
-from modeserve.kernels.triton.norm import add_rms_norm, rms_norm
-from modeserve.kernels.triton.rotary import apply_rotary, apply_rotary_and_store_kv
+from .activation import silu_and_mul
+from .norm import add_rms_norm, rms_norm
+from .rotary import apply_rotary, apply_rotary_and_store_kv
 
 __all__ = ["add_rms_norm", "apply_rotary", "apply_rotary_and_store_kv", "rms_norm", "silu_and_mul"]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels import sampling
+from .. import sampling
 
 CHUNK = 4096  # ranks per program
 BLOCK = 1024  # ranks per iteration

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from modeserve.kernels.triton.pdl import pdl_args, pdl_prologue
+from .pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
