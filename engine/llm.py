@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -14,8 +12,8 @@ from .builder import build_engine
 from .forward_batch import ForwardResult
 from .request import Req
 from .sampling_params import SamplingParams
-from .runner.host_io import PendingResult
 from .scheduler.scheduler import ReqEvent, ScheduledStep, Scheduler
+from .step_loop import StepLoop
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,13 +74,10 @@ class LLM:
 
     def step(self) -> list[ReqEvent]:
         """Run one scheduler step and one forward; the events of the requests that advanced."""
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        start = time.perf_counter()
-        result = self.runner.forward(scheduled.batch)
-        self.scheduler.stats.add_time(scheduled.batch.forward_mode, time.perf_counter() - start)
-        return self.scheduler.process_result(scheduled, result)
+        events: list[ReqEvent] = []
+        source = _SchedulerSteps(self.scheduler, events.extend, once=True)
+        StepLoop(source, self.runner, 1, self.scheduler.stats).run(lambda: source.done)
+        return events
 
     def output_of(self, req: Req) -> RequestOutput:
         text = self._decode(req.output_ids, req.sampling.skip_special_tokens) if self.tokenizer else ""
@@ -119,25 +114,8 @@ class LLM:
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step until ``done()``; with overlap one step stays in flight while the next is prepared."""
-        depth = 2 if self.overlap else 1
-        in_flight: collections.deque[tuple[ScheduledStep, PendingResult[ForwardResult]]] = collections.deque()
-        last = time.perf_counter()
-        while not done() or in_flight:
-            if len(in_flight) < depth and not done():
-                scheduled = self.scheduler.schedule()
-                if scheduled is not None:
-                    in_flight.append((scheduled, self.runner.launch(scheduled.batch)))
-                    continue
-            if not in_flight:
-                if not self.scheduler.has_work:
-                    raise RuntimeError("scheduler stalled with unfinished requests")
-                continue
-            scheduled, pending = in_flight.popleft()
-            result = pending.result()
-            now = time.perf_counter()
-            self.scheduler.stats.add_time(scheduled.batch.forward_mode, now - last)
-            last = now
-            self.scheduler.process_result(scheduled, result)
+        source = _SchedulerSteps(self.scheduler, lambda _events: None)
+        StepLoop(source, self.runner, 2 if self.overlap else 1, self.scheduler.stats).run(done)
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()
@@ -145,3 +123,25 @@ class LLM:
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class _SchedulerSteps:
+    """The scheduler as the step loop's source, in this process; ``once``: a single step."""
+
+    def __init__(self, scheduler: Scheduler, on_events: Callable[[list[ReqEvent]], None], once: bool = False) -> None:
+        self.scheduler = scheduler
+        self.on_events = on_events
+        self.once = once
+        self.done = False
+
+    def next_step(self, idle: bool) -> ScheduledStep | None:
+        if self.done:
+            return None
+        step = self.scheduler.schedule()
+        self.done = self.once
+        if step is None and idle and not self.once and not self.scheduler.has_work:
+            raise RuntimeError("scheduler stalled with unfinished requests")
+        return step
+
+    def process(self, step: ScheduledStep, result: ForwardResult) -> None:
+        self.on_events(self.scheduler.process_result(step, result))

@@ -50,7 +50,7 @@ class ModelRunner:
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
                                ckpt.config.max_position_embeddings)
         self._inputs_consumed: torch.cuda.Event | None = None
-        self.last_graph_bucket: int | None = None  # the CUDA-graph bucket the last step replayed (None: eager)
+        self._graph_bucket: int | None = None  # the bucket the step being launched replays (None: eager)
         self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
         self._init_model(ckpt, progress)
         self._init_memory()
@@ -61,8 +61,9 @@ class ModelRunner:
         self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
         self.gemv_report: dict[str, dict[str, float | bool]] = {}
-        if self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
-            self.gemv_report = choose_gemv(self.model, self.kernel_ops.gemv, self.kernel_ops.gemv_timer,
+        gemv = self.kernel_ops.gemv
+        if gemv is not None and self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
+            self.gemv_report = choose_gemv(self.model, gemv, self.kernel_ops.gemv_timer,
                                            self.kernel_ops.gemv_add_rms_norm)
 
     def _init_memory(self) -> None:
@@ -127,7 +128,7 @@ class ModelRunner:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
             self.slots.update(upd)
-        self.last_graph_bucket = None
+        self._graph_bucket = None
         self._sample_slots = None
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
             if batch.padded_batch_size > 0 and self.graphs is not None:
@@ -175,7 +176,7 @@ class ModelRunner:
         """A graph step (one query a row, every row samples): the rows go straight into the graph's
         static buffer, the tokens are recorded there in place, then the bucket replays."""
         assert self.graphs is not None
-        self.last_graph_bucket = bucket
+        self._graph_bucket = bucket
         rows = self.graphs.upload(batch.forward_mode, bucket, [
             batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
         self.slots.record(rows.req_pool_indices, rows.positions, rows.out_cache_loc, rows.input_ids)
@@ -206,14 +207,16 @@ class ModelRunner:
         this one runs; its placeholders resolve from ``last_token``, written in stream order.
         """
         logits = self.compute_logits(batch)  # [S, V]
+        bucket = self._graph_bucket
         if logits.shape[0] == 0:
-            return PendingResult([], lambda _: ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64)))
+            empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
+            return PendingResult([], lambda _: empty)
         slots = batch.req_pool_indices[batch.sample_mask]
         seq_lens = batch.seq_lens[batch.sample_mask]
         slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
         if self.slots.is_plain_greedy(slots):
             next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
-            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
+            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
         logits = logits.float()  # sampling and log-probabilities in fp32 (greedy needs no conversion)
         raw = logits
@@ -225,12 +228,12 @@ class ModelRunner:
         next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
         self.slots.last_token[slots_dev] = next_ids
         if not want_logprobs:
-            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0]))
+            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
         lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)
         return PendingResult(
             [next_ids, lp.chosen, lp.top_ids, lp.top_values],
             lambda h: ForwardResult(next_token_ids=h[0], logprobs=h[1], top_logprob_ids=h[2],
-                                    top_logprob_values=h[3]),
+                                    top_logprob_values=h[3], cuda_graph_bucket=bucket),
         )
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:

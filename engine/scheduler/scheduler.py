@@ -19,6 +19,7 @@ from ..config import SchedulerConfig
 from ..forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
 from ..forward_mode import ForwardMode, determine_forward_mode
 from ..request import PLACEHOLDER, Req, ReqStatus
+from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
 from .kv_manager import KVManager
 from .stats import ForwardModeStats
@@ -83,24 +84,18 @@ class Scheduler:
         self.step_no = 0
 
     # ---- requests -------------------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_context=self.max_context, vocab_size=self.vocab_size,
+                             kv_capacity_tokens=self.kv.capacity_tokens, max_new_tokens=None,
+                             max_prompt_chars=64 * self.max_context)
+
     def make_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Req:
-        """Validate and build a request (``ValueError`` on bad input; nothing is queued)."""
-        if not prompt_ids:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"request {rid}: the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context} "
-                f"(prompt + at least one new token)"
-            )
-        need = min(len(prompt_ids) + sampling.max_new_tokens, self.max_context)
-        if need > self.kv.capacity_tokens:
-            raise ValueError(
-                f"request {rid}: prompt + max_new_tokens needs {need} KV slots, the KV pool has "
-                f"{self.kv.capacity_tokens}; lower max_new_tokens or raise kv_cache_tokens"
-            )
+        """Check and build a request (``ValueError`` on bad input; nothing is queued)."""
+        try:
+            check_prompt(prompt_ids, sampling.max_new_tokens, self.limits)
+        except ValueError as exc:
+            raise ValueError(f"request {rid}: {exc}") from exc
         seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
         return Req(rid=rid, prompt_ids=list(prompt_ids), sampling=sampling, seed=seed)
 

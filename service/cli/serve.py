@@ -23,8 +23,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..router.app import serve_app
+    from ..router.in_process import start_serve
     from ..rpc.grpc_server import grpc_address
-    from ..router.app import serve_app, start_serve
 
     app = start_serve(grpc_address(args.host, args.port), args.model, overlap=args.overlap,
                       max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,

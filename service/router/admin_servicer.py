@@ -12,7 +12,7 @@ ADMIN_SERVICE = "modeserve.v1.Admin"
 
 def ranks_to_proto(table: RankTable) -> admin_pb2.RanksStatus:
     return admin_pb2.RanksStatus(ranks=[
-        admin_pb2.RankStatus(rank=s.rank, address=s.address, state=s.state.value, requests=s.requests,
+        admin_pb2.RankStatus(rank=s.rank, address=s.address, state=admin_pb2.RankState.Value(f"RANK_STATE_{s.state.name}"), requests=s.requests,
                              load_tokens=s.load_tokens, prefix_hit_tokens=s.prefix_hit_tokens, error=s.error)
         for s in table.status()
     ])
@@ -22,17 +22,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, table: RankTable) -> None:
         self.table = table
 
-    def SetRanks(self, request: admin_pb2.SetRanksRequest, context: grpc.ServicerContext) -> admin_pb2.RanksStatus:
+    async def SetRanks(self, request: admin_pb2.SetRanksRequest,
+                       context: grpc.aio.ServicerContext) -> admin_pb2.RanksStatus:
         specs = []
         for i, r in enumerate(request.ranks):
             if r.rank < 0 or not r.address:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ranks[{i}]: needs rank >= 0 and an address")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ranks[{i}]: needs rank >= 0 and an address")
             specs.append(RankSpec(r.rank, r.address, r.draining))
         try:
             self.table.set_ranks(specs)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return ranks_to_proto(self.table)
 
-    def GetRanks(self, request: admin_pb2.GetRanksRequest, context: grpc.ServicerContext) -> admin_pb2.RanksStatus:
+    async def GetRanks(self, request: admin_pb2.GetRanksRequest,
+                       context: grpc.aio.ServicerContext) -> admin_pb2.RanksStatus:
         return ranks_to_proto(self.table)

@@ -1,12 +1,13 @@
 """Which DP rank a new request goes to: the one whose prefix cache holds the longest prefix of its
-prompt, unless that rank is overloaded; else the least loaded; or plain round robin."""
+prompt, unless that rank is overloaded; else the least loaded; or plain round robin. It reads what
+each rank publishes (its snapshot, its prefix index), never a scheduler."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Sequence
 
-from .rank_loop import EngineLoop
+from .rank_loop import RankLoop
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 
@@ -23,7 +24,7 @@ class Dispatcher:
         self.balance_rel = balance_rel
         self._rr = itertools.count()
 
-    def choose(self, loops: Sequence[EngineLoop], prompt_ids: Sequence[int]) -> EngineLoop:
+    def choose(self, loops: Sequence[RankLoop], prompt_ids: Sequence[int]) -> RankLoop:
         if not loops:
             raise LookupError("no engine rank is ready")
         if self.policy == "round-robin":
@@ -35,7 +36,7 @@ class Dispatcher:
         lightest = min(order, key=lambda lp: loads[id(lp)])
         if self.policy == "least-loaded":
             return lightest
-        hits = {id(lp): lp.cached_prefix_len(prompt_ids) for lp in order}
+        hits = {id(lp): lp.prefix.match_len(prompt_ids) for lp in order}
         best = max(order, key=lambda lp: (hits[id(lp)], [-x for x in loads[id(lp)]]))
         if hits[id(best)] == 0:
             return lightest

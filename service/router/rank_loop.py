@@ -1,118 +1,97 @@
-"""``EngineLoop``: one thread per engine that owns a scheduler and drives its transport.
+"""``RankLoop``: one DP rank at the router — a scheduler driven by the step loop on its own thread.
 
-Other threads talk to it only through thread-safe calls (``submit``, ``abort``); the scheduler
-is touched by the loop thread alone. With ``overlap`` the loop keeps up to ``OVERLAP_DEPTH`` steps
-in flight: it schedules and sends steps N+1, N+2 while the engine still runs step N (placeholders
-stand for tokens not sampled yet; the engine resolves them), so the device never waits for the
-network or the scheduler.
+Other threads reach it through ``submit``/``resume``/``abort`` (an inbox under a small lock; the
+scheduler is touched by the loop thread alone) and read what it publishes after each step
+(``snapshot``). Token updates go to each request's queue, through the event loop when ``post`` is
+given (one call per step for all its requests).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
-import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from opentelemetry.trace import Span, SpanContext, SpanKind
-
 from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ...engine.forward_mode import ForwardMode
-from ...engine.request import Req
-from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.scheduler import ScheduledStep, Scheduler
-from .lockstep import LockstepGroup, StepOffer
+from ...engine.step_loop import Executor, StepLoop
 from ..telemetry.metrics import RankSample
-from ..telemetry.tracing import Tracing, inject
-from ..rpc.transport import EngineTransport
+from .prefix_index import PrefixIndex
+from .rank_policy import StepPolicy
+from .request_handle import Post, RequestHandle, TokenUpdate, continuation, send_updates
 
 if TYPE_CHECKING:
-    from ..telemetry.step_record import StepRecord
-    from ..telemetry.step_span import StepSpan
+    from opentelemetry.trace import Span
+
+    from ..telemetry.step_tracing import StepTracer
 
 logger = logging.getLogger(__name__)
-_MODE_NAMES = {mode: mode.name for mode in ForwardMode}  # an enum's .name is a descriptor call
-_CLIENT = SpanKind.CLIENT  # (a lookup on an enum class is slow too)
-
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)
-class TokenUpdate:
-    """New tokens of one request; ``finish_reason`` set on the last update."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    logprobs: tuple[float, ...] = ()
+class AddRequest:
+    handle: RequestHandle
 
 
-@dataclass
-class RequestHandle:
-    req: Req
-    updates: queue.SimpleQueue[TokenUpdate] = field(default_factory=queue.SimpleQueue)
-    span: Span | None = None  # the router's request span, when tracing is on
-    step_links: int = 0  # step spans linked to it so far
-    unlinked_steps: list[SpanContext] = field(default_factory=list)  # of those, not yet added to the span
-
-    def link_steps(self) -> None:
-        """Add the links to the steps so far, all at once (cheaper than one per step). The engine
-        loop calls it, and the router when a client goes away: the list is swapped out, not cleared."""
-        steps, self.unlinked_steps = self.unlinked_steps, []
-        if steps and self.span is not None and self.span.is_recording():
-            for ctx in steps:
-                self.span.add_link(ctx)
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
 
 
-class EngineLoop:
-    # Steps in flight with overlap: step N+2 is already queued at the engine while step N's result
-    # travels back, so even a round trip over the network leaves the device no gap.
-    OVERLAP_DEPTH = 3
+@dataclass(frozen=True)
+class RankSnapshot:
+    """A rank's state after its last step, for dispatch and /metrics (read without any lock)."""
 
-    def __init__(self, scheduler: Scheduler, transport: EngineTransport, overlap: bool = True,
-                 max_queued_requests: int = 1024, name: str = "engine",
-                 on_failure: Callable[[EngineLoop, list[RequestHandle]], None] | None = None,
-                 lockstep: LockstepGroup | None = None, graph_batch_sizes: Sequence[int] = (),
-                 tracing: Tracing | None = None, dp_rank: int = 0) -> None:
-        self.scheduler = scheduler
-        self.transport = transport
+    load_tokens: int = 0  # prompt + generated tokens of the requests queued or running
+    queued: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RankStep:
+    scheduled: ScheduledStep
+    batch: ForwardBatch  # the scheduled batch, with the step span's context when the engine is remote
+    span: Span | None
+
+
+class RankLoop:
+    def __init__(self, name: str, scheduler: Scheduler, executor: Executor, policy: StepPolicy, *,
+                 max_queued_requests: int = 1024, tracer: StepTracer | None = None, post: Post | None = None,
+                 on_failure: Callable[[RankLoop, list[RequestHandle]], None] | None = None,
+                 close: Callable[[], None] | None = None) -> None:
         self.name = name
-        self.depth = self.OVERLAP_DEPTH if overlap else 1
+        self.scheduler = scheduler
+        self.policy = policy
         self.max_queued_requests = max_queued_requests
+        self.tracer = tracer
+        self.post = post
         self.on_failure = on_failure
-        self.lockstep = lockstep
-        self.graph_batch_sizes = sorted(graph_batch_sizes)
-        self.tracing = tracing
-        self.dp_rank = dp_rank
+        self._close = close
         self.error: str | None = None
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()  # guards the inbox, the handles and the load counter
-        self._sched_lock = threading.Lock()  # the loop thread holds it while it touches the scheduler
+        self.snapshot = RankSnapshot()
+        self.prefix = PrefixIndex(scheduler.kv.page_size, scheduler.kv.pool.num_total_pages)
+        self._lock = threading.Lock()  # guards the inbox and the handles
+        self._inbox: list[AddRequest | AbortRequest] = []
+        self._inbox_tokens = 0
         self._handles: dict[str, RequestHandle] = {}
-        self._last_result = 0.0
-        self._head: RequestHandle | None = None  # the request whose trace the last step span is in
-        self._unlinked_reqs: tuple[Req, ...] = ()  # the last step's requests, when it had none to link
+        self._wake = threading.Event()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
+        self._steps = StepLoop(self, executor, policy.max_in_flight, scheduler.stats)
+        self._thread = threading.Thread(target=self._run, name=f"rank-{name}", daemon=True)
 
-    # ---- any thread -----------------------------------------------------------------------
+    # ---- any thread -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self.lockstep is not None:
-            self.lockstep.join(self.name)
         self._thread.start()
 
-    def make_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> Req:
-        with self._sched_lock:  # validation reads config; the seed draw uses the scheduler's rng
-            return self.scheduler.make_request(rid, prompt_ids, sampling)
-
-    def submit(self, req: Req, span: Span | None = None) -> RequestHandle:
-        return self._adopt(RequestHandle(req, span=span), check_capacity=True)
+    def submit(self, handle: RequestHandle) -> None:
+        """``QueueFullError`` past ``max_queued_requests``; ``ValueError`` for a request id in flight."""
+        self._adopt(handle, check_capacity=True)
 
     def resume(self, handle: RequestHandle) -> None:
         """Continue another rank's request here: its delivered tokens are recomputed (like a
@@ -120,7 +99,7 @@ class EngineLoop:
         handle.req = continuation(handle.req)
         self._adopt(handle, check_capacity=False)
 
-    def _adopt(self, handle: RequestHandle, check_capacity: bool) -> RequestHandle:
+    def _adopt(self, handle: RequestHandle, check_capacity: bool) -> None:
         req = handle.req
         with self._lock:
             if self._stopped:
@@ -130,51 +109,43 @@ class EngineLoop:
             if req.rid in self._handles:
                 raise ValueError(f"request_id {req.rid!r} is already in flight")
             self._handles[req.rid] = handle
-            self._inbox.append(("add", req))
+            self._inbox.append(AddRequest(handle))
+            self._inbox_tokens += req.fill_len
+        self.prefix.add(req.prompt_ids)
         self._wake.set()
-        return handle
 
     def abort(self, rid: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", rid))
+            self._inbox.append(AbortRequest(rid))
         self._wake.set()
 
     @property
     def num_requests(self) -> int:
-        with self._lock:
-            return len(self._handles)
+        return len(self._handles)
 
     @property
     def load_tokens(self) -> int:
-        """Prompt + generated tokens of the requests queued or running here (dispatch weighs it)."""
-        with self._lock:
-            return sum(h.req.fill_len for h in self._handles.values())
+        """The last step's load plus the requests submitted since."""
+        return self.snapshot.load_tokens + self._inbox_tokens
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     def rank_sample(self, rank: str) -> RankSample:
-        """Gauges and step statistics for /metrics (read without the lock: a scrape may be a step late)."""
-        sched = self.scheduler
-        kv = sched.kv
-        idle_pages = kv.pool.num_free_pages + (kv.cache.num_evictable_pages if kv.cache is not None else 0)
-        usage = 1.0 - idle_pages / max(kv.pool.num_total_pages, 1)
-        return RankSample(rank, sched.stats, queued=len(sched.waiting), running=len(sched.running), kv_usage=usage)
-
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """Tokens of ``token_ids`` this rank's prefix cache holds now (exact: read under the lock)."""
-        with self._sched_lock:
-            return self.scheduler.kv.cached_prefix_len(token_ids)
+        snap = self.snapshot
+        return RankSample(rank, self.scheduler.stats, queued=snap.queued, running=snap.running,
+                          kv_usage=snap.kv_usage)
 
     def stop(self) -> None:
+        """Finish the steps in flight, then end the thread and the executor."""
         self._stopped = True
         self._wake.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
-        if self.lockstep is not None:
-            self.lockstep.leave(self.name)
-        self.transport.close()
+        self.policy.leave()
+        if self._close is not None:
+            self._close()
 
     def evict(self) -> list[RequestHandle]:
         """Stop this rank and hand over what it still had (to resume elsewhere)."""
@@ -184,158 +155,80 @@ class EngineLoop:
             self._handles.clear()
         return handles
 
-    # ---- loop thread ----------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
-        with self._lock:
-            items = list(self._inbox)
-            self._inbox.clear()
-        for kind, arg in items:
-            if kind == "add":
-                self.scheduler.add_request(arg)  # type: ignore[arg-type]
-            else:
-                req = self.scheduler.abort(arg)  # type: ignore[arg-type]
-                if req is not None:
-                    self._deliver(req, (), "abort")
-
-    def _deliver(self, req: Req, tokens: tuple[int, ...], finish_reason: str | None,
-                 logprobs: tuple[float, ...] = ()) -> None:
-        with self._lock:
-            handle = self._handles.get(req.rid)
-            if handle is None or handle.req is not req:
-                return
-            if finish_reason is not None:
-                del self._handles[req.rid]
-        if finish_reason is not None:
-            handle.link_steps()  # before the router ends the span
-        handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
-
-    def _process(self, step: ScheduledStep, started: float, span: StepSpan | StepRecord | None, result: ForwardResult) -> None:
-        """Deliver a step's tokens; its time counts from when it could start: its submission, or
-        the previous result if that came later (steps in flight run one after the other)."""
-        if span is not None:
-            span.end()
-        now = time.perf_counter()
-        self.scheduler.stats.add_time(step.batch.forward_mode, now - max(started, self._last_result))
-        self._last_result = now
-        for ev in self.scheduler.process_result(step, result):
-            lp = (ev.req.output_logprobs[-1],) if ev.req.output_logprobs else ()
-            self._deliver(ev.req, ev.new_token_ids, ev.req.finish_reason if ev.finished else None, lp)
-
+    # ---- the loop thread: the step loop's source ------------------------------------------------
     def _run(self) -> None:
         try:
-            if self.lockstep is None:
-                self._run_free()
-            else:
-                self._run_lockstep(self.lockstep)
+            self._steps.run(lambda: self._stopped)
         except Exception as exc:  # the engine is gone: its requests continue elsewhere, or end
-            logger.exception("engine loop %s failed: %s", self.name, exc)
+            logger.exception("rank %s failed: %s", self.name, exc)
             self._fail(f"{type(exc).__name__}: {exc}")
 
-    def _run_free(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float, StepSpan | StepRecord | None]] = collections.deque()
-        while not self._stopped:
-            with self._sched_lock:
-                self._drain_inbox()
-                step = self.scheduler.schedule() if len(in_flight) < self.depth else None
-                if step is not None:
-                    batch, span = self._traced(step.batch, step)
-                    self.transport.submit(batch)
-                    in_flight.append((step, time.perf_counter(), span))
+    def _wait(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            items, self._inbox, self._inbox_tokens = self._inbox, [], 0
+        aborted = []
+        for item in items:
+            if isinstance(item, AddRequest):
+                self.scheduler.add_request(item.handle.req)
+            elif (req := self.scheduler.abort(item.rid)) is not None:
+                aborted.append((req.rid, TokenUpdate((), "abort")))
+        if aborted:
+            self._deliver(aborted)
+
+    def next_step(self, idle: bool) -> RankStep | None:
+        if self._inbox:
+            self._drain_inbox()
+        scheduled = self.policy.next_step(self.scheduler, idle, self._wait)
+        if scheduled is None:
+            return None
+        if self.tracer is None or not scheduled.reqs:
+            return RankStep(scheduled, scheduled.batch, None)
+        handles = self._handles
+        traces = [h.trace for h in map(handles.get, [r.rid for r in scheduled.reqs])
+                  if h is not None and h.trace is not None]
+        batch, span = self.tracer.start(scheduled.batch, traces)
+        return RankStep(scheduled, batch, span)
+
+    def process(self, step: RankStep, result: ForwardResult) -> None:
+        if self.tracer is not None:
+            self.tracer.end(step.span, result)
+        updates = []
+        for ev in self.scheduler.process_result(step.scheduled, result):
+            req = ev.req
+            lp = (req.output_logprobs[-1],) if req.output_logprobs else ()
+            updates.append((req.rid, TokenUpdate(ev.new_token_ids, req.finish_reason if ev.finished else None, lp)))
+        self._deliver(updates)
+        self._publish()
+
+    def _deliver(self, updates: Sequence[tuple[str, TokenUpdate]]) -> None:
+        items = []
+        with self._lock:
+            for rid, update in updates:
+                handle = self._handles.get(rid)
+                if handle is None:
                     continue
-            if not in_flight:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
-                continue
-            result = self.transport.receive()
-            with self._sched_lock:
-                self._process(*in_flight.popleft(), result=result)
+                if update.finish_reason is not None:
+                    del self._handles[rid]
+                items.append((handle, update))
+        send_updates(self.post, items)
 
-    def _run_lockstep(self, group: LockstepGroup) -> None:
-        """One step at a time, agreed with the other ranks: a rank without work runs IDLE, and a
-        CUDA-graph step is padded to the bucket every rank replays."""
-        while not self._stopped:
-            with self._sched_lock:
-                self._drain_inbox()
-                step = self.scheduler.schedule()
-            agreement = None
-            offer = StepOffer(step is not None, self._graph_rows(step))
-            while agreement is None and not self._stopped:
-                agreement = group.exchange(self.name, offer)
-            if agreement is None:
-                return
-            if not agreement.any_work:
-                self._wake.wait(timeout=0.02)
-                self._wake.clear()
-                continue
-            with self._sched_lock:
-                if step is None:
-                    step = self.scheduler.schedule(idle_if_empty=True)
-                    assert step is not None
-            started = time.perf_counter()
-            batch, span = self._traced(dataclasses.replace(step.batch, padded_batch_size=agreement.padded_batch_size),
-                                       step)
-            self.transport.submit(batch)
-            result = self.transport.receive()
-            with self._sched_lock:
-                self._process(step, started, span, result)
-
-    # A request and each of its first MAX_STEP_LINKS steps link to each other (the request's links are
-    # added when it has that many, or when it ends); later steps add no links: a long decode's spans
-    # stay small (links were most of what a step span cost to export).
-    MAX_STEP_LINKS = 16
-
-    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, StepSpan | StepRecord | None]:
-        """With tracing on: a ``modeserve.step`` span in the trace of a sampled request of the step
-        (the previous step's, while it runs), its context sent along in the batch; with the engine in
-        this process that span is the step's ``modeserve.forward`` span itself. No span when no
-        request of the step is sampled (a remote engine then gets a request's unsampled context)."""
-        if self.tracing is None or not self.tracing.enabled or not step.reqs:
-            return batch, None
-        head, linked = self._head, []
-        if step.reqs != self._unlinked_reqs:  # else: the same requests as the last step, none to link
-            with self._lock:
-                handles = [h for h in map(self._handles.get, [r.rid for r in step.reqs])
-                           if h is not None and h.span is not None]
-            if not any(h is head for h in handles) or not head.span.is_recording():  # type: ignore[union-attr]
-                head = self._head = next((h for h in handles if h.span.is_recording()), None)  # type: ignore[union-attr]
-            if head is None:  # no sampled request: no span (a remote engine gets a request's context)
-                if not handles or self.transport.in_process:
-                    return batch, None
-                return dataclasses.replace(batch, trace_context=inject(handles[0].span)), None  # type: ignore[arg-type]
-            linked = [h for h in handles if h.step_links < self.MAX_STEP_LINKS and h.span.is_recording()][  # type: ignore[union-attr]
-                :self.MAX_STEP_LINKS + 1]
-            self._unlinked_reqs = () if linked else step.reqs
-        span = self.tracing.start_step_span(
-            "modeserve.forward" if self.transport.in_process else "modeserve.step", head.span,  # type: ignore[union-attr]
-            _CLIENT, [h.span.get_span_context() for h in linked if h is not head] if linked else (),  # type: ignore[union-attr]
-            {"modeserve.forward_mode": _MODE_NAMES[batch.forward_mode], "modeserve.batch_size": batch.batch_size,
-             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
-        if span is None:  # the sampler dropped it
-            return (batch, None) if self.transport.in_process else (
-                dataclasses.replace(batch, trace_context=inject(head.span)), None)  # type: ignore[union-attr, arg-type]
-        for h in linked:
-            h.unlinked_steps.append(span.context)
-            h.step_links += 1
-            if h.step_links == self.MAX_STEP_LINKS:
-                h.link_steps()
-        if self.transport.in_process:  # one span per step: the engine fills in its part
-            self.transport.attach_step_span(batch.step, span)
-            return batch, span
-        return dataclasses.replace(batch, trace_context=inject(span)), span
-
-    def _graph_rows(self, step: ScheduledStep | None) -> int:
-        """Rows this step would replay in a CUDA graph (0 when idle), -1 if it runs eagerly."""
-        if step is None:
-            return 0
-        batch = step.batch
-        if not batch.forward_mode.traits.uses_cuda_graph or not self.graph_batch_sizes:
-            return -1
-        return batch.batch_size if batch.batch_size <= self.graph_batch_sizes[-1] else -1
+    def _publish(self) -> None:
+        sched = self.scheduler
+        kv = sched.kv
+        idle_pages = kv.pool.num_free_pages + (kv.cache.num_evictable_pages if kv.cache is not None else 0)
+        self.snapshot = RankSnapshot(
+            load_tokens=sum(r.fill_len for r in sched.waiting) + sum(r.fill_len for r in sched.running),
+            queued=len(sched.waiting), running=len(sched.running),
+            kv_usage=1.0 - idle_pages / max(kv.pool.num_total_pages, 1),
+            prefix_hit_tokens=sched.stats.num_prefix_hit_tokens)
 
     def _fail(self, error: str) -> None:
         self.error = error
-        if self.lockstep is not None:
-            self.lockstep.leave(self.name)
+        self.policy.leave()
         with self._lock:
             self._stopped = True
             handles = list(self._handles.values())
@@ -343,16 +236,4 @@ class EngineLoop:
         if self.on_failure is not None:
             self.on_failure(self, handles)
             return
-        for h in handles:
-            h.link_steps()
-            h.updates.put(TokenUpdate((), "abort"))
-
-
-def continuation(old: Req) -> Req:
-    """A fresh request that carries on ``old`` on another scheduler: prompt, sampling and seed as
-    before, the tokens already delivered as outputs to recompute (placeholders of lost steps dropped)."""
-    known = old.num_known - len(old.prompt_ids)
-    return Req(rid=old.rid, prompt_ids=old.prompt_ids, sampling=old.sampling, seed=old.seed,
-               output_ids=old.output_ids[:known], num_retractions=old.num_retractions + 1,
-               num_cached_prompt_tokens=old.num_cached_prompt_tokens,
-               output_logprobs=old.output_logprobs[:known], output_top_logprobs=old.output_top_logprobs[:known])
+        send_updates(self.post, [(h, TokenUpdate((), "abort")) for h in handles])

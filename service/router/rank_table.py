@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .dispatch import Dispatcher
-from .rank_loop import EngineLoop, RequestHandle, TokenUpdate
+from .rank_loop import RankLoop
+from .request_handle import Post, RequestHandle, TokenUpdate, send_updates
 from ..telemetry.metrics import RankSample
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Rank:
     rank: int
     address: str
     state: RankState
-    loop: EngineLoop | None = None
+    loop: RankLoop | None = None
     error: str = ""
     draining_requested: bool = False
 
@@ -58,14 +59,15 @@ class RankStatus:
     error: str
 
 
-# connect(rank, address, on_failure) -> a started-ready EngineLoop (blocks until the engine serves)
-Connect = Callable[[int, str, Callable[[EngineLoop, list[RequestHandle]], None]], EngineLoop]
+# connect(rank, address, on_failure) -> a started-ready RankLoop (blocks until the engine serves)
+Connect = Callable[[int, str, Callable[[RankLoop, list[RequestHandle]], None]], RankLoop]
 
 
 class RankTable:
     def __init__(self, connect: Connect, dispatcher: Dispatcher, health: Callable[[str], bool] | None = None,
-                 health_interval: float = 1.0, health_failures: int = 3) -> None:
+                 health_interval: float = 1.0, health_failures: int = 3, post: Post | None = None) -> None:
         self._connect = connect
+        self.post = post  # how updates reach the request streams (the router's event loop)
         self.dispatcher = dispatcher
         self._health = health
         self._health_interval = health_interval
@@ -148,7 +150,7 @@ class RankTable:
         logger.info("rank %d (%s) removed; %d requests move on", rank.rank, rank.address, len(handles))
         self._move(handles)
 
-    def _on_failure(self, loop: EngineLoop, handles: list[RequestHandle]) -> None:
+    def _on_failure(self, loop: RankLoop, handles: list[RequestHandle]) -> None:
         error = loop.error or "failed"
         with self._lock:
             for rank in self._ranks.values():
@@ -158,22 +160,24 @@ class RankTable:
         self._move(handles)
 
     def _move(self, handles: list[RequestHandle]) -> None:
+        lost = []
         for handle in handles:
             try:
                 self.dispatcher.choose(self.ready_loops(), handle.req.fill_ids).resume(handle)
             except Exception as exc:  # no rank left (or the chosen one just stopped): end the stream
                 logger.warning("request %s cannot continue: %s", handle.req.rid, exc)
-                handle.updates.put(TokenUpdate((), "abort"))
+                lost.append((handle, TokenUpdate((), "abort")))
+        send_updates(self.post, lost)
 
     # ---- reads --------------------------------------------------------------------------------
     def ranks(self) -> list[Rank]:
         with self._lock:
             return sorted(self._ranks.values(), key=lambda r: r.rank)
 
-    def ready_loops(self) -> list[EngineLoop]:
+    def ready_loops(self) -> list[RankLoop]:
         return [r.loop for r in self.ranks() if r.state == RankState.READY and r.loop is not None and r.loop.alive]
 
-    def all_loops(self) -> list[EngineLoop]:
+    def all_loops(self) -> list[RankLoop]:
         return [r.loop for r in self.ranks() if r.loop is not None]
 
     def status(self) -> list[RankStatus]:
@@ -184,7 +188,7 @@ class RankTable:
             state = r.state
             if state == RankState.DRAINING and requests == 0:
                 state = RankState.DRAINED  # the watcher closes its stream on its next round
-            hits = loop.scheduler.stats.num_prefix_hit_tokens if loop is not None else 0
+            hits = loop.snapshot.prefix_hit_tokens if loop is not None else 0
             out.append(RankStatus(r.rank, r.address, state, requests, loop.load_tokens if loop else 0, hits, r.error))
         return out
 

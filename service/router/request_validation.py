@@ -1,42 +1,31 @@
-"""Validate a ``GenerateRequest`` and turn it into engine inputs; errors name the field."""
+"""The router's one edge check: a ``GenerateRequest`` → a validated ``Req`` (errors name the field)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
 
+from ...engine.request import Req
+from ...engine.request_limits import RequestLimits, check_prompt
 from ...engine.sampling_params import SamplingParams
+from ...engine.tokenizer import Tokenizer
 from ...proto.v1 import generate_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_context: int
-    vocab_size: int
-    max_new_tokens: int  # upper bound a client may ask for
-    max_prompt_chars: int  # refuse larger text before tokenizing it
-
-
-def sampling_from_proto(p: generate_pb2.SamplingParams, limits: RequestLimits) -> SamplingParams:
+def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
     """proto3 zeros mean 'default' where zero is not a valid value (see generate.proto)."""
     if p.max_new_tokens < 0:
         raise ValueError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
-    max_new = p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    if max_new > limits.max_new_tokens:
-        raise ValueError(f"sampling.max_new_tokens must be <= {limits.max_new_tokens}, got {max_new}")
     if p.top_k < -1:
         raise ValueError(f"sampling.top_k must be >= -1, got {p.top_k}")
     if p.top_p < 0 or p.top_p > 1:
         raise ValueError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
     if p.logprobs < 0:
         raise ValueError(f"sampling.logprobs must be >= 0, got {p.logprobs}")
-    bad_stop = [t for t in p.stop_token_ids if not 0 <= t < limits.vocab_size]
-    if bad_stop:
-        raise ValueError(f"sampling.stop_token_ids: {bad_stop[0]} is outside the vocabulary")
     try:
         return SamplingParams(
-            max_new_tokens=max_new,
+            max_new_tokens=p.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
             temperature=p.temperature,
             top_p=p.top_p or 1.0,
             top_k=p.top_k if p.top_k > 0 else -1,
@@ -54,15 +43,47 @@ def sampling_from_proto(p: generate_pb2.SamplingParams, limits: RequestLimits) -
         raise ValueError(f"sampling.{exc}") from exc
 
 
-def check_prompt_shape(req: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
-    if req.text and req.token_ids:
-        raise ValueError("give exactly one of text and token_ids, not both")
-    if not req.text and not req.token_ids:
-        raise ValueError("text / token_ids: the prompt is empty")
-    if len(req.text) > limits.max_prompt_chars:
-        raise ValueError(f"text: {len(req.text)} characters is over the limit of {limits.max_prompt_chars}")
-    if len(req.token_ids) >= limits.max_context:
-        raise ValueError(f"token_ids: {len(req.token_ids)} tokens do not fit the context of {limits.max_context}")
-    bad = [t for t in req.token_ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise ValueError(f"token_ids: {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
+class RequestParser:
+    """Validates requests against the served model's limits and draws the seeds of unseeded ones
+    (here, not on a rank: a request's seed does not depend on where it runs)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits, random_seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._rng = random.Random(random_seed)
+
+    def parse(self, rid: str, request: generate_pb2.GenerateRequest) -> Req:
+        """``ValueError`` naming the field."""
+        sampling = sampling_from_proto(request.sampling)
+        if self.limits.max_new_tokens is not None and sampling.max_new_tokens > self.limits.max_new_tokens:
+            raise ValueError(f"sampling.max_new_tokens must be <= {self.limits.max_new_tokens}, "
+                             f"got {sampling.max_new_tokens}")
+        bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.limits.vocab_size]
+        if bad_stop:
+            raise ValueError(f"sampling.stop_token_ids: {bad_stop[0]} is outside the vocabulary")
+        field = "token_ids" if request.token_ids else "text"
+        prompt_ids = self.prompt_ids(request)
+        try:
+            check_prompt(prompt_ids, sampling.max_new_tokens, self.limits)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from exc
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        return Req(rid=rid, prompt_ids=prompt_ids, sampling=sampling, seed=seed)
+
+    def prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        if request.text and request.token_ids:
+            raise ValueError("give exactly one of text and token_ids, not both")
+        if not request.text and not request.token_ids:
+            raise ValueError("text / token_ids: the prompt is empty")
+        if request.token_ids:
+            return list(request.token_ids)
+        self.check_text(request.text)
+        if self.tokenizer is None:
+            raise ValueError("text: this model has no tokenizer; send token_ids")
+        if request.chat:
+            return self.tokenizer.apply_chat_template(request.text)
+        return self.tokenizer.encode(request.text)
+
+    def check_text(self, text: str) -> None:
+        if len(text) > self.limits.max_prompt_chars:
+            raise ValueError(f"text: {len(text)} characters is over the limit of {self.limits.max_prompt_chars}")

@@ -95,7 +95,7 @@ def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
         step=b.step,
         padded_batch_size=b.padded_batch_size,
         trace_context=dict(b.trace_context),
-        forward_mode=int(b.forward_mode),
+        forward_mode=_mode_to_proto(b.forward_mode),
         req_pool_indices=_pack(b.req_pool_indices, _I64),
         prefix_lens=_pack(b.prefix_lens, _I64),
         extend_lens=_pack(b.extend_lens, _I64),
@@ -114,6 +114,11 @@ def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
             for u in b.slot_updates
         ],
     )
+
+
+def _mode_to_proto(mode: ForwardMode) -> forward_pb2.ForwardMode:
+    """The wire enum numbers the modes as ``ForwardMode`` does (a test checks every name)."""
+    return forward_pb2.ForwardMode.Value(f"FORWARD_MODE_{mode.name}")
 
 
 def _mode_from_proto(value: int) -> ForwardMode:
@@ -237,8 +242,11 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
 
 
 # ---- result ----------------------------------------------------------------------------------
-def result_to_proto(r: ForwardResult, step: int, seconds: float) -> forward_pb2.ForwardResult:
-    m = forward_pb2.ForwardResult(step=step, next_token_ids=_pack(r.next_token_ids, _I64), forward_seconds=seconds)
+def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:
+    m = forward_pb2.ForwardResult(step=step, next_token_ids=_pack(r.next_token_ids, _I64),
+                                  forward_seconds=r.forward_seconds)
+    if r.cuda_graph_bucket is not None:
+        m.cuda_graph_bucket = r.cuda_graph_bucket
     if r.logprobs is not None:
         m.logprobs = _pack(r.logprobs, _F32)
         if r.top_logprob_ids is not None and r.top_logprob_values is not None:
@@ -251,8 +259,9 @@ def result_to_proto(r: ForwardResult, step: int, seconds: float) -> forward_pb2.
 def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
     """Decode an engine's answer; ``ValueError`` when its arrays disagree in length."""
     next_ids = _unpack(m.next_token_ids, _I64, "next_token_ids")
+    bucket = m.cuda_graph_bucket if m.HasField("cuda_graph_bucket") else None
     if not m.logprobs:
-        return ForwardResult(next_token_ids=next_ids)
+        return ForwardResult(next_token_ids=next_ids, cuda_graph_bucket=bucket, forward_seconds=m.forward_seconds)
     num_samples = next_ids.shape[0]
     logprobs = _unpack(m.logprobs, _F32, "logprobs")
     if logprobs.shape[0] != num_samples:
@@ -269,6 +278,8 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
         logprobs=logprobs,
         top_logprob_ids=top_ids.reshape(num_samples, m.top_n),
         top_logprob_values=top_values.reshape(num_samples, m.top_n),
+        cuda_graph_bucket=bucket,
+        forward_seconds=m.forward_seconds,
     )
 
 

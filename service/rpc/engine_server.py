@@ -7,36 +7,26 @@ a lock. Each stream is independent: a bad batch ends only the stream that sent i
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import queue
 import threading
-import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from opentelemetry.trace import Span
 
-from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ...engine.runner.host_io import PendingResult
 from ...engine.runner.model_runner import ModelRunner
 from ...engine.scheduler.stats import ForwardModeStats
 from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
-from .convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
+from .convert import BatchLimits, mode_stats_to_proto
+from .engine_client import ENGINE_SERVICE
+from .forward_stream import ForwardStream, SharedRunner, StepError
 from .grpc_server import GrpcServer, create_grpc_server
 from ..telemetry.metrics import MetricsServer, RankSample
-from ..telemetry.tracing import Tracing, start_forward_span
-
-if TYPE_CHECKING:
-    from ..telemetry.step_record import StepRecord
-    from ..telemetry.step_span import StepSpan
+from ..telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
-ENGINE_SERVICE = "modeserve.v1.Engine"
 
 
 def batch_limits(runner: ModelRunner) -> BatchLimits:
@@ -69,28 +59,6 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
     )
 
 
-@dataclass(frozen=True)
-class _Launched:
-    """A batch on the device: its result arrives through ``pending``."""
-
-    batch: ForwardBatch
-    start: float
-    pending: PendingResult[ForwardResult]
-    span: Span | StepSpan | StepRecord | None
-
-
-def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],
-              inbox: queue.Queue[forward_pb2.ForwardBatch | None]) -> None:
-    """Move a stream's messages into ``inbox``; None marks its end (closed, cancelled or broken)."""
-    try:
-        for msg in request_iterator:
-            inbox.put(msg)
-    except Exception:  # the RPC ended under us (cancelled, deadline): the stream is over either way
-        pass
-    finally:
-        inbox.put(None)
-
-
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")
@@ -99,12 +67,12 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, runner: ModelRunner, description: engine_pb2.EngineDescription,
                  tracing: Tracing | None = None) -> None:
-        self._runner = runner
+        self._model_runner = runner
+        self._runner = SharedRunner(runner)  # every stream's steps go through it, one launch at a time
         self.tracing = tracing or Tracing("engine", description.dp_rank, env={})
         self._limits = batch_limits(runner)
         self._description = description
         self._health: health.HealthServicer | None = None
-        self._forward_lock = threading.Lock()  # the runner runs one batch at a time
         self.stats = ForwardModeStats()  # the steps this engine ran (Describe and /metrics read it)
         self._state_lock = threading.Lock()  # guards the two fields below
         self._active_streams = 0
@@ -156,64 +124,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     def Forward(self, request_iterator: Iterator[forward_pb2.ForwardBatch],
                 context: grpc.ServicerContext) -> Iterator[forward_pb2.ForwardResult]:
-        """Results in step order. A batch that has arrived is launched before the previous step's
-        result is awaited, so the device runs step N while step N+1 is unpacked, uploaded and planned."""
+        """Results in step order; a bad batch or a failed forward ends only this stream."""
         with self._stream(context):
-            inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
-            threading.Thread(target=_read_all, args=(request_iterator, inbox), name="engine-stream-reader",
-                             daemon=True).start()
-            pending: collections.deque[_Launched] = collections.deque()
-            ended = False
-            while not ended or pending:
-                msg: forward_pb2.ForwardBatch | None = None
-                if not ended:
-                    try:
-                        msg = inbox.get(block=not pending)
-                        ended = msg is None
-                    except queue.Empty:
-                        pass
-                if msg is not None:
-                    launched = self._launch(msg)
-                    if not isinstance(launched, _Launched):  # earlier steps' results first, then end this stream
-                        while pending:
-                            yield self._finish(pending.popleft())
-                        _abort(context, *launched)
-                    pending.append(launched)
-                    if len(pending) < 2:
-                        continue
-                if pending:
-                    yield self._finish(pending.popleft())
-
-    def _launch(self, msg: forward_pb2.ForwardBatch) -> _Launched | tuple[grpc.StatusCode, str]:
-        """Decode, validate and launch one batch (with its forward span when tracing); or the error."""
-        try:
-            batch = batch_from_proto(msg, self._limits)
-        except ValueError as exc:
-            return grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}"
-        start = time.perf_counter()
-        with self._forward_lock:
-            try:
-                pending = self._runner.launch(batch)
-            except ValueError as exc:  # e.g. a known forward mode this build does not implement
-                return grpc.StatusCode.INVALID_ARGUMENT, f"ForwardBatch step {msg.step}: {exc}"
-            except Exception as exc:  # a device or model failure: end this stream, keep serving
-                logger.exception("forward of step %d failed", msg.step)
-                return grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}"
-            span = None
-            if self.tracing.enabled:  # the graph bucket is this step's while the lock is held
-                span = start_forward_span(self.tracing, batch.trace_context, batch.forward_mode.name,
-                                          batch.batch_size, batch.num_tokens, self._runner.last_graph_bucket,
-                                          self._description.dp_rank)
-        return _Launched(batch, start, pending, span)
-
-    def _finish(self, launched: _Launched) -> forward_pb2.ForwardResult:
-        result = launched.pending.result()
-        seconds = time.perf_counter() - launched.start
-        if launched.span is not None:
-            launched.span.end()
-        batch = launched.batch
-        self.stats.record(batch.forward_mode, batch.batch_size, batch.num_tokens, seconds)
-        return result_to_proto(result, batch.step, seconds)
+            stream = ForwardStream(request_iterator, self._limits, self.tracing, self._description.dp_rank,
+                                   self.stats)
+            threading.Thread(target=stream.run, args=(self._runner,), name="forward-steps", daemon=True).start()
+            while (item := stream.results.get()) is not None:
+                if isinstance(item, StepError):
+                    _abort(context, item.code, str(item))
+                yield item
 
     def Describe(self, request: engine_pb2.DescribeRequest,
                  context: grpc.ServicerContext) -> engine_pb2.EngineDescription:
@@ -223,7 +142,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return description
 
     def rank_sample(self) -> RankSample:
-        runner = self._runner
+        runner = self._model_runner
         return RankSample(str(self._description.dp_rank), self.stats,
                           graph_stats=runner.graphs.stats() if runner.graphs is not None else None)
 

@@ -80,8 +80,8 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def serve_until_signal(srv: GrpcServer, grace: float, on_stop: Callable[[], None] | None = None) -> int:
-    """Block until SIGTERM/SIGINT, then shut down gracefully; returns the process exit code (0)."""
+def wait_for_signal(grace: float) -> None:
+    """Block until SIGTERM/SIGINT (the heap of start-up frozen first)."""
     freeze_startup_heap()
     stop = threading.Event()
 
@@ -96,7 +96,10 @@ def serve_until_signal(srv: GrpcServer, grace: float, on_stop: Callable[[], None
     # handler and the process ignores SIGTERM. A timed wait returns to the interpreter, which runs it.
     while not stop.wait(timeout=0.2):
         pass
-    if on_stop is not None:
-        on_stop()
+
+
+def serve_until_signal(srv: GrpcServer, grace: float) -> int:
+    """Block until SIGTERM/SIGINT, then shut down gracefully; returns the process exit code (0)."""
+    wait_for_signal(grace)
     srv.shutdown(grace).wait()
     return 0

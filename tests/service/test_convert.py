@@ -3,6 +3,7 @@ malformed batch rejected with a ValueError that names the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -97,7 +98,7 @@ def scheduler_batches() -> list[ForwardBatch]:
         if step is None:
             break
         batches.append(step.batch)
-        result = result_from_proto(result_to_proto(fake_result(step.batch, 3), step.batch.step, 0.01))
+        result = result_from_proto(result_to_proto(fake_result(step.batch, 3), step.batch.step))
         s.process_result(step, result)
     return batches
 
@@ -253,15 +254,17 @@ def test_sampling_row_without_tokens_is_rejected() -> None:
 
 
 # ---- results -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bucket", [None, 0, 8])
 @pytest.mark.parametrize("top_n", [None, 0, 3])
 @pytest.mark.parametrize("num_samples", [0, 4])
-def test_result_round_trip(top_n: int | None, num_samples: int) -> None:
+def test_result_round_trip(top_n: int | None, num_samples: int, bucket: int | None) -> None:
     b = ForwardBatch(ForwardMode.DECODE, *([np.zeros(num_samples, dtype=np.int64)] * 3),
                      np.ones(num_samples, dtype=bool), *([np.zeros(num_samples, dtype=np.int64)] * 3), step=5)
-    r = fake_result(b, top_n)
-    m = forward_pb2.ForwardResult.FromString(result_to_proto(r, 5, 0.25).SerializeToString())
+    r = dataclasses.replace(fake_result(b, top_n), forward_seconds=0.25, cuda_graph_bucket=bucket)
+    m = forward_pb2.ForwardResult.FromString(result_to_proto(r, 5).SerializeToString())
     assert m.step == 5 and m.forward_seconds == 0.25
     got = result_from_proto(m)
+    assert got.cuda_graph_bucket == bucket and got.forward_seconds == 0.25
     np.testing.assert_array_equal(got.next_token_ids, r.next_token_ids)
     if top_n is None or num_samples == 0:
         assert got.logprobs is None and got.top_logprob_ids is None
@@ -276,7 +279,7 @@ def test_result_round_trip(top_n: int | None, num_samples: int) -> None:
 def test_malformed_result_names_the_field(field: str) -> None:
     z = np.zeros(2, dtype=np.int64)
     b = ForwardBatch(ForwardMode.DECODE, z, z, z, np.ones(2, dtype=bool), z, z, z)
-    m = result_to_proto(fake_result(b, 2), 1, 0.0)
+    m = result_to_proto(fake_result(b, 2), 1)
     setattr(m, field, getattr(m, field)[:-4] if field != "next_token_ids" else getattr(m, field)[:-3])
     with pytest.raises(ValueError, match=field):
         result_from_proto(m)

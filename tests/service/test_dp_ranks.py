@@ -20,7 +20,7 @@ from modeserve.service.rpc.client import Completion, GenerateClient
 from modeserve.service.cli.drain import drain
 from modeserve.service.router.rank_table import RankSpec, RankState
 from modeserve.service.router.app import RouterApp
-from modeserve.service.cli.router import start_remote_router
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_router_remote import spawn
 from tests.service.test_serve import generate_all, reference
@@ -49,7 +49,8 @@ def router_over(tiny_model: Path) -> Iterator[Callable[..., tuple[RouterApp, Gen
 
     def make(n: int, **kw: object) -> tuple[RouterApp, GenerateClient, list]:
         procs = start_engines(tiny_model, n)
-        app = start_remote_router("127.0.0.1:0", [a for _, a in procs], None, SCHED, **kw)  # type: ignore[arg-type]
+        app = start_remote_router("127.0.0.1:0", [a for _, a in procs], None,
+                                  RemoteRouterConfig(SCHED, **kw))  # type: ignore[arg-type]
         client = GenerateClient(f"127.0.0.1:{app.port}")
         made.append((app, client, procs))
         return app, client, procs

@@ -39,7 +39,8 @@ from modeserve.service.rpc.engine_server import create_engine_server
 from modeserve.service.router.engineset_watch import EngineSetWatch, pod_namespace, ranks_from_status
 from modeserve.service.rpc.grpc_server import GrpcServer
 from modeserve.service.router.rank_table import RankSpec, RankState
-from modeserve.service.cli.router import engineset_watch, start_remote_router
+from modeserve.service.cli.router import engineset_watch
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.operator.test_operator_kmock import VersionedEmulator
 from tests.service.test_serve import generate_all
@@ -388,8 +389,9 @@ def extends(app: Any) -> dict[int, int]:
 async def test_router_without_engines_follows_the_engineset(cluster: Cluster, engines: list[GrpcServer]) -> None:
     addresses = [f"127.0.0.1:{srv.port}" for srv in engines]
     await cluster.create([status_entry(r, "Ready", address=a) for r, a in enumerate(addresses)])
-    app = await asyncio.to_thread(start_remote_router, "127.0.0.1:0", [], None, SchedulerConfig(),
-                                  wait=10, dispatch="round-robin", health_interval=0.1, watch=cluster.watch())
+    app = await asyncio.to_thread(start_remote_router, "127.0.0.1:0", [], None,
+                                  RemoteRouterConfig(SchedulerConfig(), wait=10, dispatch="round-robin",
+                                                     health_interval=0.1), watch=cluster.watch())
     client = GenerateClient(f"127.0.0.1:{app.port}")
 
     async def generate(n: int, seed: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from modeserve.engine.config import SchedulerConfig
 from modeserve.service.rpc.client import GenerateClient
-from modeserve.service.cli.router import start_remote_router
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_serve import generate_all, reference
 
@@ -39,8 +39,8 @@ def engines(tiny_model: Path) -> Iterator[list[str]]:
 @pytest.mark.parametrize("num_engines", [1, 2])
 def test_64_streams_over_remote_engines_equal_llm_generate(engines: list[str], tiny_model: Path,
                                                             num_engines: int) -> None:
-    app = start_remote_router("127.0.0.1:0", engines[:num_engines], None,
-                              SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5))
+    app = start_remote_router("127.0.0.1:0", engines[:num_engines], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5)))
     client = GenerateClient(f"127.0.0.1:{app.port}")
     try:
         prompts = mixed_prompts(64, COMMON["vocab_size"], seed=8, max_len=40)

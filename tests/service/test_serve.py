@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeserve.engine import LLM, SamplingParams
 from modeserve.service.rpc.client import Completion, GenerateClient
-from modeserve.service.router.app import RouterApp, start_serve
+from modeserve.service.router.app import RouterApp
+from modeserve.service.router.in_process import start_serve
 from tests.engine.tiny_models import COMMON, mixed_prompts
 
 ENGINE_ARGS = dict(page_size=4, kv_cache_tokens=4096, chunked_prefill_size=32, enable_mixed=True,

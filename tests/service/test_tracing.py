@@ -21,7 +21,7 @@ from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
 from modeserve.service.rpc.engine_server import create_engine_server
-from modeserve.service.cli.router import start_remote_router
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from modeserve.service.telemetry.tracing import Tracing
 
 
@@ -70,7 +70,7 @@ def test_one_trace_from_client_to_engine(receiver: Receiver, tiny_model: Path) -
     cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=2048)
     runner = ModelRunner(cfg.runner, open_checkpoint(tiny_model))
     engine = create_engine_server(runner, "127.0.0.1:0", model_path=str(tiny_model), dp_rank=2)
-    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, SchedulerConfig())
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, RemoteRouterConfig(SchedulerConfig()))
     client_tracer = TracerProvider().get_tracer("test-client")  # the client's own SDK, not exported
     with client_tracer.start_as_current_span("client call") as client_span:
         carrier: dict[str, str] = {}
@@ -132,7 +132,7 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from modeserve.service.rpc.client import GenerateClient
-    from modeserve.service.router.app import start_serve
+    from modeserve.service.router.in_process import start_serve
 
     exporter = InMemorySpanExporter()
     app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
@@ -357,7 +357,7 @@ def test_cancelled_request_keeps_its_step_links(tiny_model: Path) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from modeserve.service.rpc.client import GenerateClient
-    from modeserve.service.router.app import start_serve
+    from modeserve.service.router.in_process import start_serve
 
     exporter = InMemorySpanExporter()
     app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),

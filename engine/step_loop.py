@@ -1,0 +1,99 @@
+"""The step loop: take a step → launch it → (up to ``max_in_flight`` launched) → wait → process.
+
+``LLM.generate``, each router rank and the engine server all drive this one loop. What differs is
+the ``StepSource`` (a scheduler, or a stream of batches from a router) and the ``Executor`` behind
+``launch`` (the model runner in this process, or a gRPC stream to an engine). Overlap is carrying the
+launched steps into the next iteration: step N+1 is built and launched before step N's result is
+read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Generic, Protocol, TypeVar
+
+from .forward_batch import ForwardBatch, ForwardResult
+from .scheduler.stats import ForwardModeStats
+
+
+class PendingStep(Protocol):
+    """A launched step; ``result()`` waits for it (never for later steps)."""
+
+    def result(self) -> ForwardResult: ...
+
+
+class Executor(Protocol):
+    """Runs batches in launch order; ``launch`` returns at once. ``ModelRunner`` is one (the model in this
+    process: the step is queued on the device, or on a CPU run inside ``launch``)."""
+
+    def launch(self, batch: ForwardBatch) -> PendingStep: ...
+
+
+class Step(Protocol):
+    @property
+    def batch(self) -> ForwardBatch: ...
+
+
+StepT = TypeVar("StepT", bound=Step)
+
+
+class StepSource(Protocol[StepT]):
+    def next_step(self, idle: bool) -> StepT | None:
+        """The next step to launch, or None if there is none now. ``idle``: nothing is in flight, so
+        a source that waits for work may block here (briefly: the loop checks ``stop`` between calls)."""
+
+    def process(self, step: StepT, result: ForwardResult) -> None:
+        """The step's result, in launch order."""
+
+
+@dataclass(frozen=True)
+class _Launched(Generic[StepT]):
+    step: StepT
+    pending: PendingStep
+    at: float
+
+
+class StepLoop(Generic[StepT]):
+    """Steps of one source through one executor. A step's time counts from when it could start: its
+    launch, or the previous step's result if that came later (steps in flight run one after another);
+    it is recorded once, into ``stats``, and handed on as ``ForwardResult.forward_seconds``."""
+
+    def __init__(self, source: StepSource[StepT], executor: Executor, max_in_flight: int,
+                 stats: ForwardModeStats) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.source = source
+        self.executor = executor
+        self.max_in_flight = max_in_flight
+        self.stats = stats
+        self._in_flight: collections.deque[_Launched[StepT]] = collections.deque()
+        self._last_result = time.perf_counter()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        """Until ``stop()`` and nothing is in flight (steps launched before ``stop()`` still finish)."""
+        in_flight = self._in_flight
+        while True:
+            stopping = stop()
+            if not stopping and len(in_flight) < self.max_in_flight:
+                step = self.source.next_step(idle=not in_flight)
+                if step is not None:
+                    in_flight.append(_Launched(step, self.executor.launch(step.batch), time.perf_counter()))
+                    continue
+            if in_flight:
+                self._finish(in_flight.popleft())
+            elif stopping:
+                return
+
+    def _finish(self, launched: _Launched[StepT]) -> None:
+        result = launched.pending.result()
+        now = time.perf_counter()
+        seconds = now - max(launched.at, self._last_result)
+        self._last_result = now
+        self.stats.add_time(launched.step.batch.forward_mode, seconds)
+        self.source.process(launched.step, replace(result, forward_seconds=seconds))

@@ -1,0 +1,92 @@
+"""An asyncio gRPC server (``grpc.aio``) on an event-loop thread, with what every modeserve server has:
+health (liveness ``""`` + readiness per service), reflection and a graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Awaitable, Callable, Sequence, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .grpc_server import MAX_MESSAGE_BYTES
+
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio event loop running on its own thread; other threads hand it work."""
+
+    def __init__(self, name: str = "grpc-aio") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float | None = 60) -> T:
+        """Run ``coro`` on the loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon (from any thread; ``RuntimeError`` once it is closed)."""
+        self.loop.call_soon_threadsafe(callback)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class AioServer:
+    def __init__(self, loop: EventLoopThread, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
+                 service_names: Sequence[str]) -> None:
+        """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port);
+        ``ValueError`` when it cannot bind."""
+        self.service_names = tuple(service_names)
+        self.events = loop
+        self.metrics_port: int | None = None
+        self.port = loop.run(self._start(address, register))
+
+    async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]]) -> int:
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        for add in register:
+            add(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ValueError(f"cannot bind gRPC server to {address!r}: {exc}") from exc
+        if port == 0:
+            raise ValueError(f"cannot bind gRPC server to {address!r}")
+        await self.server.start()
+        await self._set_serving(True)
+        return port
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    def set_serving(self, serving: bool) -> None:
+        self.events.run(self._set_serving(serving))
+
+    def shutdown(self, grace: float) -> None:
+        """Report NOT_SERVING, refuse new RPCs, let in-flight ones finish within ``grace`` seconds."""
+        if self.events.loop.is_closed():
+            return
+        try:
+            self.events.run(self._stop(grace), timeout=grace + 30)
+        except concurrent.futures.TimeoutError:
+            pass
+
+    async def _stop(self, grace: float) -> None:
+        await self._set_serving(False)
+        await self.server.stop(grace)
