@@ -79,7 +79,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                  decode_tensor_cores: bool | None = None) -> None:
         """``decode_tensor_cores``: None picks by the query-head group size (``decode_uses_tensor_cores``)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
-        import flashinfer
+        import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
         device = kv_cache.k[0].device
         if decode_tensor_cores is None:
@@ -123,7 +123,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_capture(self, bs: int, static: GraphInputs) -> None:
         """Make the decode wrapper for ``bs`` rows (fixed buffers) and plan a dummy batch: every
         row one token on the reserved page 0."""
-        import flashinfer
+        import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
         kv, dev = self.kv_cache, self.kv_cache.k[0].device
         max_pages = kv.num_slots // kv.page_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionBackend, AttentionInputs, GraphInputs
+from .flashinfer_backend import FlashInferAttentionBackend
 from .kv_cache import KVCache
 
 TRITON_DECODE_MAX_ROWS = 512  # above: FlashInfer (the largest batch measured)
@@ -32,10 +33,9 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         """``flashinfer``/``triton``: the two backends (built here when not given)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         if flashinfer is None:
-            from .flashinfer_backend import FlashInferAttentionBackend
-
             flashinfer = FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
         if triton is None:
+            # imports Triton, which may be absent on CPU where callers (tests) pass both halves
             from .triton_backend import TritonAttentionBackend
 
             triton = TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
