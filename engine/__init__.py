@@ -1,9 +1,16 @@
 """modeserve.engine: the LLM API, configuration, forward modes and the ForwardBatch contract."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .config import EngineConfig, RunnerConfig, SchedulerConfig
 from .forward_batch import ForwardBatch, ForwardResult
 from .forward_mode import ForwardMode, determine_forward_mode
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .llm import LLM, RequestOutput
 
 
 def __getattr__(name: str) -> object:

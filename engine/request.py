@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .sampling_params import SamplingParams
 
 
 PLACEHOLDER = -1  # an output token sampled by a step still in flight (the engine resolves it)
+
+# why a request finished: a stop token or string, its token or context limit, or an abort
+FinishReason = Literal["stop", "length", "abort"]
 
 
 class ReqStatus(enum.Enum):
@@ -35,7 +38,7 @@ class Req:
     cache_node: Any = None
     req_pool_idx: int = -1
     prefill_done: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     num_retractions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission

@@ -48,6 +48,7 @@ def resolve_kernel_backend(name: str, device: torch.device) -> str:
 def kernel_ops(name: str, device: torch.device) -> KernelOps:
     if resolve_kernel_backend(name, device) == "torch":
         return TORCH_OPS
+    # Triton only when chosen: it may be absent, and a CPU engine must not pay for importing it
     from .triton import ops as triton_ops
     from .triton.argmax import argmax
     from .triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up

@@ -8,6 +8,7 @@ owner reference to the EngineSet, so deleting it deletes them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .spec import EngineSetSpec
@@ -21,6 +22,7 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 MODEL_MOUNT = "/models"
 
 Obj = dict[str, Any]
+EngineSet = Mapping[str, Any]  # the EngineSet object as the API returns it (read only)
 
 
 def labels(name: str, component: str) -> dict[str, str]:
@@ -38,7 +40,7 @@ def engine_selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name, "engine").items())
 
 
-def owner_reference(es: Obj) -> Obj:
+def owner_reference(es: EngineSet) -> Obj:
     meta = es["metadata"]
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EngineSet", "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
@@ -102,7 +104,7 @@ def engine_args(spec: EngineSetSpec) -> list[str]:
     return args
 
 
-def engine_statefulset(es: Obj, spec: EngineSetSpec, replicas: int) -> Obj:
+def engine_statefulset(es: EngineSet, spec: EngineSetSpec, replicas: int) -> Obj:
     """The engines: ``replicas`` pods, rank i = pod i (pod-index label -> DP_RANK)."""
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     volumes, mounts = _model_volume(spec)
@@ -163,7 +165,7 @@ def engine_statefulset(es: Obj, spec: EngineSetSpec, replicas: int) -> Obj:
     }
 
 
-def engine_configmap(es: Obj, replicas: int) -> Obj:
+def engine_configmap(es: EngineSet, replicas: int) -> Obj:
     """``DP_SIZE`` for the engine pods (read when a pod starts; the ranks that stay keep running)."""
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     return {"apiVersion": "v1", "kind": "ConfigMap",
@@ -172,7 +174,7 @@ def engine_configmap(es: Obj, replicas: int) -> Obj:
             "data": {"DP_SIZE": str(replicas)}}
 
 
-def engine_service(es: Obj) -> Obj:
+def engine_service(es: EngineSet) -> Obj:
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     return {
         "apiVersion": "v1", "kind": "Service",
@@ -184,7 +186,7 @@ def engine_service(es: Obj) -> Obj:
     }
 
 
-def router_deployment(es: Obj, spec: EngineSetSpec, service_account: str = "") -> Obj:
+def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str = "") -> Obj:
     """The router. With ``service_account`` (allowed to get/list/watch EngineSets: the chart's router
     Role) it follows this EngineSet's published rank table (``--engineset``); without, it starts on
     rank 0 and learns the others from the operator's SetRanks only."""
@@ -227,7 +229,7 @@ def router_deployment(es: Obj, spec: EngineSetSpec, service_account: str = "") -
     }
 
 
-def router_service(es: Obj) -> Obj:
+def router_service(es: EngineSet) -> Obj:
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     return {
         "apiVersion": "v1", "kind": "Service",

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from safetensors import safe_open
 
+from .gguf_loader import iter_gguf_tensors, read_gguf_checkpoint
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, parse_model_config
 from ...kernels.op_set import TORCH_OPS, KernelOps
@@ -47,8 +48,6 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     if p.is_file():
         if p.suffix != ".gguf":
             raise ValueError(f"model file {str(p)!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
-        from .gguf_loader import read_gguf_checkpoint
-
         ckpt = read_gguf_checkpoint(p)
         return Checkpoint(p, parse_model_config(ckpt.config, name=p.stem), True, 0)
     cfg_file = p / "config.json"
@@ -65,8 +64,6 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
 
 def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     if ckpt.is_gguf:
-        from .gguf_loader import iter_gguf_tensors
-
         yield from iter_gguf_tensors(ckpt.path, dtype)
         return
     for file in _safetensors_files(ckpt.path):

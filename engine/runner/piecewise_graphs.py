@@ -2,13 +2,12 @@
 attention calls, one set of pieces per token-count bucket, all sharing one memory pool.
 
 An eager prefill of a few hundred tokens launches every op from Python, and on a fast GPU the
-launches take longer than the kernels (a 512-token prefill of a 1B model ran 15 ms against 1.6 ms
-of matmul work). Attention cannot be captured once for all EXTEND batches (its plan and grid follow
-the batch's requests), but everything else in the model works row by row, so it can: piece 0 is the
-embedding and layer 0 up to its KV store, piece i (0 < i < L) the end of layer i-1 (output
-projection, MLP, norms) and the start of layer i (QKV projection, rotary, KV store), piece L the
-end of the last layer. A step pads its tokens to the next bucket, replays the pieces and runs each
-layer's attention eagerly in between on the real tokens only.
+launches take longer than the kernels. Attention cannot be captured once for all EXTEND batches
+(its plan and grid follow the batch's requests), but everything else in the model works row by row,
+so it can: piece 0 is the embedding and layer 0 up to its KV store, piece i (0 < i < L) the end of
+layer i-1 (output projection, MLP, norms) and the start of layer i (QKV projection, rotary, KV
+store), piece L the end of the last layer. A step pads its tokens to the next bucket, replays the
+pieces and runs each layer's attention eagerly in between on the real tokens only.
 
 Padded tokens are token 0 at position 0 storing their k/v at the reserved slot 0; their rows go
 through the GEMMs and norms and are dropped: nothing mixes rows except attention, which never sees

@@ -18,7 +18,7 @@ import numpy as np
 from ..config import SchedulerConfig
 from ..forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
 from ..forward_mode import ForwardMode, determine_forward_mode
-from ..request import PLACEHOLDER, Req, ReqStatus
+from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
 from .kv_manager import KVManager
@@ -313,6 +313,6 @@ class Scheduler:
                 list(zip(result.top_logprob_ids[row, :n].tolist(), result.top_logprob_values[row, :n].tolist()))
             )
 
-    def _finish(self, req: Req, reason: str) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.status = ReqStatus.FINISHED
         req.finish_reason = reason

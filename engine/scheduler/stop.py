@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..request import Req
+from ..request import FinishReason, Req
 
 
 class StopChecker:
@@ -16,7 +16,7 @@ class StopChecker:
         self.max_context = max_context
         self.decode = decode
 
-    def check(self, req: Req, num_outputs: int) -> str | None:
+    def check(self, req: Req, num_outputs: int) -> FinishReason | None:
         """``"stop"`` or ``"length"`` when ``req`` must finish after output token ``num_outputs - 1``
         (later entries of ``output_ids`` may be placeholders of steps still in flight)."""
         sp, last = req.sampling, req.output_ids[num_outputs - 1]

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import abc
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from ...engine.forward_mode import ForwardMode
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
+from ..registry import Registry
+from .kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -106,21 +103,47 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
 
-BackendFactory = Callable[..., AttentionBackend]
+# (kv_cache, num_heads, scale, sliding_window) -> backend. Each factory imports its backend when
+# called: the backends import this module, and Triton or FlashInfer, which only the chosen one needs.
+ATTENTION_BACKENDS: Registry[[KVCache, int, float, int | None], AttentionBackend] = Registry("attention backend")
 
-# name -> "module:Class", imported only when chosen
-_BACKENDS: dict[str, str] = {
-    "torch": "modeserve.kernels.attention.torch_backend:TorchAttentionBackend",
-    "flashinfer": "modeserve.kernels.attention.flashinfer_backend:FlashInferAttentionBackend",
-    "flashinfer-triton": "modeserve.kernels.attention.flashinfer_triton_backend:FlashInferTritonAttentionBackend",
-    "triton": "modeserve.kernels.attention.triton_backend:TritonAttentionBackend",
-}
+
+@ATTENTION_BACKENDS.register("torch")
+def _create_torch(kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> AttentionBackend:
+    from .torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+
+
+@ATTENTION_BACKENDS.register("flashinfer")
+def _create_flashinfer(kv_cache: KVCache, num_heads: int, scale: float,
+                       sliding_window: int | None) -> AttentionBackend:
+    from .flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+
+
+@ATTENTION_BACKENDS.register("flashinfer-triton")
+def _create_flashinfer_triton(kv_cache: KVCache, num_heads: int, scale: float,
+                              sliding_window: int | None) -> AttentionBackend:
+    from .flashinfer_triton_backend import FlashInferTritonAttentionBackend
+
+    return FlashInferTritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+
+
+@ATTENTION_BACKENDS.register("triton")
+def _create_triton(kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None) -> AttentionBackend:
+    from .triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)
+
+
 _HALF = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its Hopper prefill kernels are built for
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return ATTENTION_BACKENDS.names()
 
 
 def _importable(module: str) -> bool:
@@ -134,8 +157,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     reference). Triton off CUDA only in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     flashinfer_ok = device.type == "cuda" and dtype in _HALF and head_dim in FLASHINFER_HEAD_DIMS
     if name != "auto":
-        if name not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+        ATTENTION_BACKENDS.check(name)
         if name.startswith("flashinfer") and not flashinfer_ok:
             raise ValueError(f"attention backend {name} needs a CUDA device, dtype float16 or bfloat16 and "
                              f"head_dim in {FLASHINFER_HEAD_DIMS} (got {device.type}, {dtype}, {head_dim})")
@@ -152,7 +174,5 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
                              num_heads: int, scale: float, sliding_window: int | None) -> AttentionBackend:
-    module_name, cls_name = _BACKENDS[resolve_backend_name(name, device, dtype, kv_cache.head_dim)].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    backend: AttentionBackend = cls(kv_cache, num_heads, scale, sliding_window)
-    return backend
+    resolved = resolve_backend_name(name, device, dtype, kv_cache.head_dim)
+    return ATTENTION_BACKENDS.create(resolved, kv_cache, num_heads, scale, sliding_window)

@@ -6,13 +6,9 @@ steps use one ``BatchPrefillWithPagedKVCacheWrapper`` over all rows (its causal 
 the end of each request's KV, so decode rows of a MIXED batch are just rows with one query).
 ``plan`` runs once per step on host metadata, outside any CUDA graph.
 
-Where the ragged kernel pays, on an H200 (bf16, 32 query / 8 kv heads, head_dim 128, µs per layer,
-ragged against paged, each wrapper timed alone on 2026-12-01): with no prefix 43.7/55.4
-for one 512-token prompt, 271.9/334.2 for 4096 tokens, 84.6/114.1 for 8 x 512 (page 16; page 1 alike
-past 512 tokens), and its plan skips the page table. With a cached prefix, ragged for the new
-tokens plus paged for the prefix plus ``merge_state`` was slower every time (3584 + 512 tokens:
-133.1 against 102.0; 4 x (1024 + 1024): 302.5 against 254.1; 32 x (2048 + 64): 353.7 against
-304.6; the merge alone 23-40), so those stay paged.
+The ragged kernel is used only without a cached prefix, where it beats the paged one and its plan
+skips the page table; with a prefix, ragged for the new tokens plus paged for the prefix plus
+``merge_state`` is slower than one paged call, so those steps stay paged.
 """
 
 from __future__ import annotations
@@ -67,10 +63,7 @@ def _pinned(a: np.ndarray) -> torch.Tensor:
 
 def decode_uses_tensor_cores(group_size: int) -> bool:
     """Whether DECODE runs FlashInfer's tensor-core (prefill) kernel rather than its CUDA-core decode
-    kernel: for query-head groups of 4 or more. ``modeserve bench attention`` on an H200 (bf16, page
-    16, 32 query / 8 kv heads, 544-token contexts), µs per layer, tensor cores vs CUDA cores:
-    head_dim 128: 13.8/20.8 at batch 1, 20.0/33.5 at 8, 58.7/68.7 at 64, 168.9/204.6 at 256;
-    head_dim 64: 13.5/11.9 at batch 1, 42.8/50.0 at 64."""
+    kernel: for query-head groups of 4 or more, where it is the faster one (``modeserve bench attention``)."""
     return group_size >= 4
 
 
@@ -79,7 +72,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                  decode_tensor_cores: bool | None = None) -> None:
         """``decode_tensor_cores``: None picks by the query-head group size (``decode_uses_tensor_cores``)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
-        import flashinfer
+        import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
         device = kv_cache.k[0].device
         if decode_tensor_cores is None:
@@ -123,7 +116,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_capture(self, bs: int, static: GraphInputs) -> None:
         """Make the decode wrapper for ``bs`` rows (fixed buffers) and plan a dummy batch: every
         row one token on the reserved page 0."""
-        import flashinfer
+        import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
         kv, dev = self.kv_cache, self.kv_cache.k[0].device
         max_pages = kv.num_slots // kv.page_size
@@ -147,8 +140,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
         """Split-KV stays on in every bucket, although past 2 CTAs x SMs / kv heads rows FlashInfer never
-        splits and the graph's merge kernel only copies: planned without split-KV, the 8B batch-256
-        step measured 17.84 ms against 16.36 ms (the attention kernel itself ran 10% slower)."""
+        splits and the graph's merge kernel only copies: without split-KV FlashInfer's decode kernel
+        itself is slower."""
         kv = self.kv_cache
         wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads,  # type: ignore[attr-defined]
                      num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, page_size=kv.page_size,

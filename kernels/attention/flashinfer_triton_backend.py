@@ -2,26 +2,18 @@
 DECODE batches of up to ``TRITON_DECODE_MAX_ROWS`` rows (eager and in CUDA graphs, chosen per
 graph bucket), over the one paged KV cache.
 
-``modeserve bench attention`` on an H200 (bf16, page 16, 32 query / 8 kv heads, KV store included),
-µs per layer, Triton vs FlashInfer (its faster, tensor-core decode kernel):
-  head_dim 128, 544-token contexts: 10.4/13.8 at batch 1, 17.5/20.0 at 8, 48.2/58.7 at 64;
-  head_dim 128, 1088-token contexts: 11.0/14.6 at batch 1, 78.0/88.7 at 64, 278.7/297.7 at 256, 546.6/565.6 at 512
-  (one split: ``default_decode_tiles``; with 32-key blocks Triton took 315.3 at 256);
-  head_dim 128, 4096-token contexts: 253.2/271.5 at batch 64, 990.4/992.8 at 256;
-  head_dim 64, 544-token contexts: 9.6/13.5 at batch 1, 37.7/42.8 at 64.
-In the 8B batch-256 decode step (1024 + 128 tokens, CUDA graphs) Triton at every size took
-17.19/17.22 ms against 17.25/17.36 with FlashInfer past 128 rows (alternating in one call).
-FlashInfer's prefill kernels stay for extends (a 4096-token prefill ran at 0.815 of the measured
-matmul rate)."""
+The Triton kernel decodes faster than FlashInfer's (tensor-core) decode kernel up to that batch size
+(``modeserve bench attention``); FlashInfer's prefill kernels, near the matmul rate, stay for extends."""
 
 from __future__ import annotations
 
 import torch
 
 from .base import AttentionBackend, AttentionInputs, GraphInputs
+from .flashinfer_backend import FlashInferAttentionBackend
 from .kv_cache import KVCache
 
-TRITON_DECODE_MAX_ROWS = 512  # above: FlashInfer (the largest batch measured)
+TRITON_DECODE_MAX_ROWS = 512  # above: FlashInfer (Triton's lead is not established for bigger batches)
 
 
 class FlashInferTritonAttentionBackend(AttentionBackend):
@@ -32,10 +24,9 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         """``flashinfer``/``triton``: the two backends (built here when not given)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         if flashinfer is None:
-            from .flashinfer_backend import FlashInferAttentionBackend
-
             flashinfer = FlashInferAttentionBackend(kv_cache, num_heads, scale, sliding_window)
         if triton is None:
+            # imports Triton, which may be absent on CPU where callers (tests) pass both halves
             from .triton_backend import TritonAttentionBackend
 
             triton = TritonAttentionBackend(kv_cache, num_heads, scale, sliding_window)

@@ -2,7 +2,7 @@
 the first maximum of a chunk, then one program per row picks the first maximum among the chunks.
 
 ``torch.argmax`` reduces a row in one thread block, which at batch 1 leaves most of the device idle
-(about 28 µs for 128k logits on an H200, several times the time to read them). Same contract as
+and takes far longer than reading the row. Same contract as
 ``kernels.ops.argmax``: the index of the first maximum (rows without NaN).
 """
 

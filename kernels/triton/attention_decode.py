@@ -7,8 +7,8 @@ and writes the slice's normalised output and log-sum-exp. The slices are merged 
 the program of each (request, kv head) that finishes last: every program counts itself in on a
 device counter after its slice is written (an acq_rel atomic after a CTA barrier, so the slice is
 visible before the count), and the one that sees the others all in reads the slices back past L1,
-merges them, writes the output and resets the counter to 0 for the next launch. A separate merge
-kernel per layer cost a launch and a dependency wait; its latency was most of its cost at batch 1.
+merges them, writes the output and resets the counter to 0 for the next launch: no separate merge
+kernel per layer, whose launch and dependency wait would dominate its cost at batch 1.
 With one split, stage 1 writes the output directly.
 
 Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
@@ -247,10 +247,7 @@ def default_decode_tiles(num_kv_splits: int, head_dim: int) -> DecodeTiles:
     """The launch shape ``decode_attention`` uses when none is given: with one split (big batches,
     where programs are plenty and each walks its whole context) 64 keys a step, 4 warps and 3 pipeline
     stages, up to head_dim 128 (96 KiB of keys and values in flight at 128); else ``DecodeTiles()``.
-    ``bench attention`` on an H200 (bf16, 32 query / 8 kv heads, head_dim 128, 1088-token contexts),
-    µs per layer at batch 256/128/64, one split: 278.1/143.9/78.0 with this shape against 315.3/164.6/82.4
-    with the default and 296.0/161.4/88.7 for FlashInfer's decode kernel (the roofline: 272.0/136.0/68.0);
-    of the other shapes tried (blocks 16-128, 1-4 stages, 4 or 8 warps) none came closer."""
+    Chosen with ``bench attention``: at one split this shape comes closest to the bandwidth roofline."""
     if num_kv_splits == 1 and head_dim <= 128:
         return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
     return DecodeTiles()
@@ -259,12 +256,7 @@ def default_decode_tiles(num_kv_splits: int, head_dim: int) -> DecodeTiles:
 def default_num_kv_splits(batch_size: int, num_kv_heads: int, device: torch.device, max_splits: int = 12) -> int:
     """Splits per (request, kv head) so that stage 1 has about two programs per SM, at most
     ``max_splits``; 1 for big batches. The cap: the program that merges reads back every split, so
-    past a dozen the merge's tail costs more than shorter slices save. Measured on an H200 at batch 1
-    (32 query / 8 kv heads, head_dim 128), ``bench attention``, µs per layer for 8/12/17/24/32
-    splits: 13.74/11.83/13.87/14.49/16.12 at 640 tokens, 15.16/13.27/14.21/15.41/16.49 at 1024; in
-    the 8B batch-1 decode step (512 + 256 tokens) 12 splits took 4.085 ms against 4.211 with 32 (three
-    runs each) and 4.158 with 17 (two), alternating in one call; 32 was the cap before. At batch 64
-    one split beat 4 and 32 clearly: 82 against 91 and 121 µs.
+    past a dozen the merge's tail costs more than shorter slices save (``bench attention``).
 
     Depends only on the batch size and heads, so a captured graph and an eager step agree."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

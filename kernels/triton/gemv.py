@@ -1,8 +1,8 @@
 """Matrix-vector product for one-token steps (batch-1 decode) as a Triton kernel: y = x W^T (+ b).
 
-At batch 1 a linear layer only streams its weight matrix; cuBLAS's kernels for that shape reach
-about half of the read bandwidth on the 8-32 MB matrices of small models (a split-K reduce kernel
-and few bytes in flight per SM). Here each program owns ``BLOCK_N`` output rows, streams their
+At batch 1 a linear layer only streams its weight matrix; cuBLAS's kernels for that shape leave
+much of the read bandwidth unused on small models' matrices (a split-K reduce kernel and few bytes
+in flight per SM). Here each program owns ``BLOCK_N`` output rows, streams their
 weights in ``BLOCK_K`` tiles through a software pipeline, accumulates the products per element in
 fp32 and reduces once at the end; the tile shape is autotuned per (N, K). ``choose_gemv``
 (``engine/models/linear.py``) times this against ``torch.nn.functional.linear`` once per weight
@@ -57,7 +57,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         acc2d += w.to(tl.float32) * x.to(tl.float32)[None, :]
     acc = tl.sum(acc2d, axis=1)
     # the next kernel may launch now, during this one's tail (not at the start: then every GEMV of a
-    # chain becomes resident at once and loads its first tile early, which measured slower)
+    # chain becomes resident at once and loads its first tile early, which slows the chain)
     pdl_release(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -145,8 +145,7 @@ def gemv_keeps_up(weight: torch.Tensor, bias: torch.Tensor | None, repeats: int 
     in a CUDA graph of ``repeats`` calls on copies of the weight past L2 (``cold_weight_seconds``):
     (gemv at most 3% slower, gemv µs, linear µs). A tie goes to the GEMV: in a decode step it also
     launches with PDL (cuBLAS serialises the kernels around it) and can carry the add+norm epilogue,
-    which a call timed alone does not see (an 8B step on an H200 took 4.42 ms with cuBLAS for
-    gate_up, 1.5% faster alone, against 4.21 ms with the GEMV)."""
+    which a call timed alone does not see."""
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     times = []
     for fn in (lambda w: gemv(x, w, bias), lambda w: torch.nn.functional.linear(x, w, bias)):

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the decoder's Triton kernels.
 
-A decode step at batch 1 is a chain of ~200-350 short kernels, each waiting for the one before it
+A decode step at batch 1 is a long chain of short kernels, each waiting for the one before it
 to finish, drain and launch. Launched with PDL (Hopper and later), a kernel may start while its
 predecessor still runs: its programs become resident and wait in ``griddepcontrol.wait`` until the
 predecessor has completed and its writes are visible, so the launch latency, and any work that does
@@ -11,16 +11,14 @@ The rules every kernel here keeps:
   writes anything, in every program, so a kernel that starts early never races its predecessor,
   and (as each kernel only completes after its wait) never races any kernel before that either;
 - it lets its dependents launch (``griddepcontrol.launch_dependents``): the short kernels at once
-  (``pdl_prologue``), the GEMV after its main loop (a first try that let a GEMV's dependents launch
-  at once made a chain of GEMVs slower on an H200: 16.8 against 15.1 µs for a 6144x4096 weight).
+  (``pdl_prologue``), the GEMV after its main loop (letting a GEMV's dependents launch at once
+  slows a chain of GEMVs: every one becomes resident early and loads its first tile).
 The GEMV loads its first weight tile before its wait.
 Kernels of other libraries (cuBLAS, torch) in between are launched as usual and serialise fully.
 
 It pays at large batches too, where only every other kernel is one of these (norms, rotary, SiLU
-between cuBLAS GEMMs and FlashInfer attention): an 8B decode step at batch 256 on an H200 took
-16.348 ms with PDL and 18.293 ms with ``MODESERVE_DISABLE_PDL=1`` in the same call, though the
-kernels' own device time summed to about the same (15.97 and 15.62 ms: with PDL a kernel's time
-includes its early wait).
+between cuBLAS GEMMs and FlashInfer attention): the step's wall time drops although the kernels'
+own device time does not (with PDL a kernel's time includes its early wait).
 """
 
 from __future__ import annotations
