@@ -7,7 +7,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-from ...engine.request import Req
+from ...engine.request import FinishReason, Req
 
 if TYPE_CHECKING:
     from ..telemetry.step_tracing import RequestTrace
@@ -18,7 +18,7 @@ class TokenUpdate:
     """New tokens of one request; ``finish_reason`` set on the last update."""
 
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] = ()
 
 
