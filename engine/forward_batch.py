@@ -86,3 +86,4 @@ class ForwardResult:
     logprobs: np.ndarray | None = None  # [S] float32, chosen token
     top_logprob_ids: np.ndarray | None = None  # [S, n] int64
     top_logprob_values: np.ndarray | None = None  # [S, n] float32
+    cuda_graph_bucket: int | None = None  # the CUDA-graph bucket the step replayed (None: eager)
