@@ -16,27 +16,21 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
-from opentelemetry.trace import Span, SpanContext, SpanKind
+from opentelemetry.trace import Span
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ...engine.forward_mode import ForwardMode
 from ...engine.request import Req
 from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.scheduler import ScheduledStep, Scheduler
 from .lockstep import LockstepGroup, StepOffer
 from ..telemetry.metrics import RankSample
-from ..telemetry.tracing import Tracing, inject
+from ..telemetry.step_tracing import RequestTrace, StepTracer
+from ..telemetry.tracing import Tracing
 from ..rpc.transport import EngineTransport
 
-if TYPE_CHECKING:
-    from ..telemetry.step_record import StepRecord
-    from ..telemetry.step_span import StepSpan
-
 logger = logging.getLogger(__name__)
-_MODE_NAMES = {mode: mode.name for mode in ForwardMode}  # an enum's .name is a descriptor call
-_CLIENT = SpanKind.CLIENT  # (a lookup on an enum class is slow too)
 
 
 class QueueFullError(RuntimeError):
@@ -57,16 +51,17 @@ class RequestHandle:
     req: Req
     updates: queue.SimpleQueue[TokenUpdate] = field(default_factory=queue.SimpleQueue)
     span: Span | None = None  # the router's request span, when tracing is on
-    step_links: int = 0  # step spans linked to it so far
-    unlinked_steps: list[SpanContext] = field(default_factory=list)  # of those, not yet added to the span
+    trace: RequestTrace | None = field(init=False, default=None)  # the span and its step links
+
+    def __post_init__(self) -> None:
+        if self.span is not None:
+            self.trace = RequestTrace(self.span)
 
     def link_steps(self) -> None:
-        """Add the links to the steps so far, all at once (cheaper than one per step). The engine
-        loop calls it, and the router when a client goes away: the list is swapped out, not cleared."""
-        steps, self.unlinked_steps = self.unlinked_steps, []
-        if steps and self.span is not None and self.span.is_recording():
-            for ctx in steps:
-                self.span.add_link(ctx)
+        """Add the links to the steps so far (before the span ends): the engine loop calls it, and
+        the router when a client goes away."""
+        if self.trace is not None:
+            self.trace.finish()
 
 
 class EngineLoop:
@@ -87,7 +82,7 @@ class EngineLoop:
         self.on_failure = on_failure
         self.lockstep = lockstep
         self.graph_batch_sizes = sorted(graph_batch_sizes)
-        self.tracing = tracing
+        self.step_tracer = StepTracer(tracing, dp_rank, transport.in_process) if tracing is not None else None
         self.dp_rank = dp_rank
         self.error: str | None = None
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
@@ -96,8 +91,6 @@ class EngineLoop:
         self._sched_lock = threading.Lock()  # the loop thread holds it while it touches the scheduler
         self._handles: dict[str, RequestHandle] = {}
         self._last_result = 0.0
-        self._head: RequestHandle | None = None  # the request whose trace the last step span is in
-        self._unlinked_reqs: tuple[Req, ...] = ()  # the last step's requests, when it had none to link
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"loop-{name}", daemon=True)
 
@@ -209,11 +202,11 @@ class EngineLoop:
             handle.link_steps()  # before the router ends the span
         handle.updates.put(TokenUpdate(tokens, finish_reason, logprobs))
 
-    def _process(self, step: ScheduledStep, started: float, span: StepSpan | StepRecord | None, result: ForwardResult) -> None:
+    def _process(self, step: ScheduledStep, started: float, span: Span | None, result: ForwardResult) -> None:
         """Deliver a step's tokens; its time counts from when it could start: its submission, or
         the previous result if that came later (steps in flight run one after the other)."""
-        if span is not None:
-            span.end()
+        if span is not None and self.step_tracer is not None:
+            self.step_tracer.end(span, result)
         now = time.perf_counter()
         self.scheduler.stats.add_time(step.batch.forward_mode, now - max(started, self._last_result))
         self._last_result = now
@@ -232,7 +225,7 @@ class EngineLoop:
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def _run_free(self) -> None:
-        in_flight: collections.deque[tuple[ScheduledStep, float, StepSpan | StepRecord | None]] = collections.deque()
+        in_flight: collections.deque[tuple[ScheduledStep, float, Span | None]] = collections.deque()
         while not self._stopped:
             with self._sched_lock:
                 self._drain_inbox()
@@ -279,49 +272,13 @@ class EngineLoop:
             with self._sched_lock:
                 self._process(step, started, span, result)
 
-    # A request and each of its first MAX_STEP_LINKS steps link to each other (the request's links are
-    # added when it has that many, or when it ends); later steps add no links: a long decode's spans
-    # stay small (links were most of what a step span cost to export).
-    MAX_STEP_LINKS = 16
-
-    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, StepSpan | StepRecord | None]:
-        """With tracing on: a ``modeserve.step`` span in the trace of a sampled request of the step
-        (the previous step's, while it runs), its context sent along in the batch; with the engine in
-        this process that span is the step's ``modeserve.forward`` span itself. No span when no
-        request of the step is sampled (a remote engine then gets a request's unsampled context)."""
-        if self.tracing is None or not self.tracing.enabled or not step.reqs:
+    def _traced(self, batch: ForwardBatch, step: ScheduledStep) -> tuple[ForwardBatch, Span | None]:
+        """The step's span and the batch to send (``StepTracer.start``), with tracing on."""
+        if self.step_tracer is None or not self.step_tracer.enabled or not step.reqs:
             return batch, None
-        head, linked = self._head, []
-        if step.reqs != self._unlinked_reqs:  # else: the same requests as the last step, none to link
-            with self._lock:
-                handles = [h for h in map(self._handles.get, [r.rid for r in step.reqs])
-                           if h is not None and h.span is not None]
-            if not any(h is head for h in handles) or not head.span.is_recording():  # type: ignore[union-attr]
-                head = self._head = next((h for h in handles if h.span.is_recording()), None)  # type: ignore[union-attr]
-            if head is None:  # no sampled request: no span (a remote engine gets a request's context)
-                if not handles or self.transport.in_process:
-                    return batch, None
-                return dataclasses.replace(batch, trace_context=inject(handles[0].span)), None  # type: ignore[arg-type]
-            linked = [h for h in handles if h.step_links < self.MAX_STEP_LINKS and h.span.is_recording()][  # type: ignore[union-attr]
-                :self.MAX_STEP_LINKS + 1]
-            self._unlinked_reqs = () if linked else step.reqs
-        span = self.tracing.start_step_span(
-            "modeserve.forward" if self.transport.in_process else "modeserve.step", head.span,  # type: ignore[union-attr]
-            _CLIENT, [h.span.get_span_context() for h in linked if h is not head] if linked else (),  # type: ignore[union-attr]
-            {"modeserve.forward_mode": _MODE_NAMES[batch.forward_mode], "modeserve.batch_size": batch.batch_size,
-             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
-        if span is None:  # the sampler dropped it
-            return (batch, None) if self.transport.in_process else (
-                dataclasses.replace(batch, trace_context=inject(head.span)), None)  # type: ignore[union-attr, arg-type]
-        for h in linked:
-            h.unlinked_steps.append(span.context)
-            h.step_links += 1
-            if h.step_links == self.MAX_STEP_LINKS:
-                h.link_steps()
-        if self.transport.in_process:  # one span per step: the engine fills in its part
-            self.transport.attach_step_span(batch.step, span)
-            return batch, span
-        return dataclasses.replace(batch, trace_context=inject(span)), span
+        with self._lock:
+            handles = [self._handles.get(r.rid) for r in step.reqs]
+        return self.step_tracer.start(batch, [h.trace for h in handles if h is not None and h.trace is not None])
 
     def _graph_rows(self, step: ScheduledStep | None) -> int:
         """Rows this step would replay in a CUDA graph (0 when idle), -1 if it runs eagerly."""

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, NoReturn, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -28,11 +28,8 @@ from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from .convert import BatchLimits, batch_from_proto, mode_stats_to_proto, result_to_proto
 from .grpc_server import GrpcServer, create_grpc_server
 from ..telemetry.metrics import MetricsServer, RankSample
-from ..telemetry.tracing import Tracing, start_forward_span
-
-if TYPE_CHECKING:
-    from ..telemetry.step_record import StepRecord
-    from ..telemetry.step_span import StepSpan
+from ..telemetry.step_tracing import end_forward_span, forward_span
+from ..telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +73,7 @@ class _Launched:
     batch: ForwardBatch
     start: float
     pending: PendingResult[ForwardResult]
-    span: Span | StepSpan | StepRecord | None
+    span: Span | None
 
 
 def _read_all(request_iterator: Iterator[forward_pb2.ForwardBatch],
@@ -199,18 +196,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             except Exception as exc:  # a device or model failure: end this stream, keep serving
                 logger.exception("forward of step %d failed", msg.step)
                 return grpc.StatusCode.INTERNAL, f"ForwardBatch step {msg.step}: forward failed: {exc!r}"
-            span = None
-            if self.tracing.enabled:  # the graph bucket is this step's while the lock is held
-                span = start_forward_span(self.tracing, batch.trace_context, batch.forward_mode.name,
-                                          batch.batch_size, batch.num_tokens, self._runner.last_graph_bucket,
-                                          self._description.dp_rank)
-        return _Launched(batch, start, pending, span)
+        return _Launched(batch, start, pending, forward_span(self.tracing, batch, self._description.dp_rank))
 
     def _finish(self, launched: _Launched) -> forward_pb2.ForwardResult:
         result = launched.pending.result()
         seconds = time.perf_counter() - launched.start
-        if launched.span is not None:
-            launched.span.end()
+        end_forward_span(launched.span, result)
         batch = launched.batch
         self.stats.record(batch.forward_mode, batch.batch_size, batch.num_tokens, seconds)
         return result_to_proto(result, batch.step, seconds)

@@ -11,16 +11,11 @@ import collections
 import functools
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import grpc
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ..telemetry.tracing import forward_attributes
-
-if TYPE_CHECKING:
-    from ..telemetry.step_record import StepRecord
-    from ..telemetry.step_span import StepSpan
 
 
 class TransportError(RuntimeError):
@@ -28,7 +23,7 @@ class TransportError(RuntimeError):
 
 
 class EngineTransport(abc.ABC):
-    in_process = False  # the engine runs in this process and shares the scheduler's step spans
+    in_process = False  # the engine runs in this process: the scheduler's step span is its forward span
 
     @abc.abstractmethod
     def submit(self, batch: ForwardBatch) -> None:
@@ -40,12 +35,6 @@ class EngineTransport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
-
-    def attach_step_span(self, step: int, span: StepSpan | StepRecord) -> None:
-        """Only ``in_process``: hand the scheduler's span of ``step`` to the engine, which fills in
-        what only it knows (CUDA graph, padding); that one span is the step's ``modeserve.forward``
-        span. A remote engine makes its own from the batch's trace context instead."""
-        raise NotImplementedError
 
 
 _CLOSE = object()
@@ -62,8 +51,6 @@ class InProcessTransport(EngineTransport):
 
     def __init__(self, runner: object) -> None:
         self._runner = runner
-        # step -> the scheduler's span of it (tracing on); a dict's setitem and pop are atomic
-        self._spans: dict[int, StepSpan | StepRecord] = {}
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[ForwardResult | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="engine-inprocess", daemon=True)
@@ -98,14 +85,7 @@ class InProcessTransport(EngineTransport):
             pending = self._runner.launch(batch)  # type: ignore[attr-defined]
         except BaseException as exc:
             return functools.partial(_reraise, exc)
-        span = self._spans.pop(batch.step, None) if self._spans else None
-        if span is not None:
-            bucket = self._runner.last_graph_bucket  # type: ignore[attr-defined]
-            span.set_attributes(forward_attributes(bucket, batch.batch_size))
         return pending.result  # type: ignore[no-any-return]
-
-    def attach_step_span(self, step: int, span: StepSpan | StepRecord) -> None:
-        self._spans[step] = span
 
     def submit(self, batch: ForwardBatch) -> None:
         self._inbox.put(batch)
