@@ -28,6 +28,7 @@ import torch
 
 from .serving import measure_decode
 from ..router.rank_loop import EngineLoop
+from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
 
 _RECEIVER = """
@@ -91,7 +92,7 @@ class _DroppingExporter:
 
     def __init__(self) -> None:
         self.received = 0
-        self._lock = threading.Lock()  # request spans and step spans export from two threads
+        self._lock = threading.Lock()  # the processor's thread and a flush may export at once
 
     def export(self, spans: Any) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
@@ -146,6 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
     llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
     loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")
+    tracers = {name: StepTracer(t, 0, loop.transport.in_process) if t is not None else None
+               for name, t in configs.items()}
     loop.start()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
     spans_created, traced_runs = 0, 0
@@ -156,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     orders = list(itertools.permutations(configs))
     for rep in range(args.repeats + 1):
         for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
-            loop.tracing = configs[name]  # one engine for all: between runs no step is in flight
+            loop.step_tracer = tracers[name]  # one engine for all: between runs no step is in flight
             steps_before = sum(loop.scheduler.stats.mode_counts.values())
             gc_clock.current = name if rep else None
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
                            for n, v in samples.items()},
             "exporter": args.exporter,
-            # exporting at the end of each traced run (encode + send, in the bench thread): mean per run
+            # exporting at the end of each traced run (the flush, in the bench thread): mean per run
             # (a long and a short run per measurement: only their difference counts in the step time)
             "flush_ms_per_run": round(on.flush_seconds / max(traced_runs, 1) * 1e3, 3),
             # collections by generation [0, 1, 2] and their time, over each configuration's measured runs

@@ -83,8 +83,9 @@ def test_one_trace_from_client_to_engine(receiver: Receiver, tiny_model: Path) -
     app.stop(grace=1)  # flushes the router's spans
     engine.server.stop(1)
     deadline = time.time() + 10
-    while time.time() < deadline and not any(s.name == "modeserve.forward" for _, s in receiver.spans):
-        time.sleep(0.05)  # the engine's provider flushes on its batch timer
+    count = lambda name: sum(1 for _, s in receiver.spans if s.name == name)  # noqa: E731
+    while time.time() < deadline and not 0 < count("modeserve.step") <= count("modeserve.forward"):
+        time.sleep(0.05)  # the engine's provider exports on its batch timer, maybe in several batches
     spans = {s.name.split(" ")[0]: (r, s) for r, s in receiver.spans}
     trace_id = client_span.get_span_context().trace_id.to_bytes(16, "big")
     (res_req, request), (_, step) = spans["text_completion"], spans["modeserve.step"]
@@ -123,6 +124,32 @@ def test_batch_settings_from_env() -> None:
     env = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100"}
     assert batch_settings_from_env(env) == {"schedule_delay_millis": 50, "max_export_batch_size": 100,
                                             "max_queue_size": 400, "export_timeout_millis": 30000}
+
+
+def test_resource_and_sampler_from_env() -> None:
+    from opentelemetry.sdk.trace import sampling
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.telemetry.tracing import resource_from_env, sampler_from_env
+
+    env = {"OTEL_SERVICE_NAME": "svc", "POD_NAME": "pod-0", "OTEL_RESOURCE_ATTRIBUTES": "a=1, b = 2,service.name=x,bad"}
+    assert dict(resource_from_env("engine", 3, env).attributes) == {
+        "service.name": "svc", "modeserve.component": "engine", "modeserve.dp_rank": 3, "k8s.pod.name": "pod-0",
+        "a": "1", "b": "2"}
+    assert dict(resource_from_env("router", None, {}).attributes) == {"service.name": "modeserve-router",
+                                                                     "modeserve.component": "router"}
+    assert sampler_from_env({}).get_description() == sampling.ParentBased(sampling.ALWAYS_ON).get_description()
+    ratio = sampler_from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"})
+    assert isinstance(ratio, sampling.TraceIdRatioBased) and ratio.rate == 0.25
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER"):
+        sampler_from_env({"OTEL_TRACES_SAMPLER": "sometimes"})
+    assert not Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317",
+                                      "OTEL_TRACES_EXPORTER": "none"}).enabled
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("router", env={}, exporter=exporter)
+    tracing.start_span("at", start_time=1_000).end(2_000)
+    (span,) = exporter.get_finished_spans()
+    assert (span.start_time, span.end_time) == (1_000, 2_000)
 
 
 def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
@@ -274,7 +301,7 @@ def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> Non
     request it started in while that one runs."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.router.rank_loop import EngineLoop
+    from modeserve.service.telemetry.step_tracing import MAX_STEP_LINKS
 
     exporter = InMemorySpanExporter()
     tracing = Tracing("router", 0, env={}, exporter=exporter)
@@ -287,7 +314,7 @@ def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> Non
     requests = {s.context.span_id: s for s in spans if s.name.startswith("text_completion")}
     steps = sorted((s for s in spans if s.name == "modeserve.forward"), key=lambda s: s.start_time)
     assert len(requests) == 2 and len(steps) >= 40
-    limit = EngineLoop.MAX_STEP_LINKS
+    limit = MAX_STEP_LINKS
     first = [s.context.span_id for s in steps[:limit]]
     assert all(s.attributes["modeserve.batch_size"] == 2 for s in steps)
     assert all([link.context.span_id for link in req.links] == first for req in requests.values())
@@ -314,40 +341,54 @@ def test_unsampled_requests_make_no_step_spans(tiny_model: Path) -> None:
 
 
 def test_engine_reads_the_routers_trace_context() -> None:
-    """The engine's forward span is a child of the injected context, sampled as its flags say; other
-    forms of ``traceparent`` go through the W3C propagator, and no context makes a root span."""
+    """The engine's forward span is a child of the injected context, sampled as its flags say (trace
+    state kept); an invalid ``traceparent`` or none makes a root span."""
+    import dataclasses
+
+    import numpy as np
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.telemetry.tracing import inject, remote_parent, start_forward_span
+    from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+    from modeserve.engine.forward_mode import ForwardMode
+    from modeserve.service.telemetry.step_tracing import end_forward_span, forward_span
+    from modeserve.service.telemetry.tracing import extract, inject
 
     exporter = InMemorySpanExporter()
     engine = Tracing("engine", 1, env={}, exporter=exporter)
     router = Tracing("router", env={}, exporter=InMemorySpanExporter())
     step = router.start_span("modeserve.step")
     ctx = step.get_span_context()
-    parent = remote_parent(inject(step))
-    assert parent is not None and parent.get_span_context() == trace.SpanContext(
-        ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
+    carried = lambda carrier: trace.get_current_span(extract(carrier)).get_span_context()  # noqa: E731
+    assert carried(inject(step)) == trace.SpanContext(ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
     upper = {"traceparent": inject(step)["traceparent"].upper().replace("X", "x")}
-    assert remote_parent(upper) is None  # version 00 is lower case: invalid, as the propagator says
+    assert not carried(upper).is_valid  # version 00 is lower case: invalid, as the propagator says
     with_state = {**inject(step), "tracestate": "vendor=x"}
-    assert remote_parent(with_state).get_span_context().trace_state == trace.TraceState([("vendor", "x")])  # type: ignore[union-attr]
-    assert remote_parent({}) is None and remote_parent({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}) is None
-    span = start_forward_span(engine, inject(step), "DECODE", 4, 4, 8, 1)
+    assert carried(with_state).trace_state == trace.TraceState([("vendor", "x")])
+    assert not carried({}).is_valid and not carried({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}).is_valid
+    ids = np.arange(4, dtype=np.int64)
+    decode = ForwardBatch(ForwardMode.DECODE, ids, ids, np.ones(4, dtype=np.int64), np.ones(4, dtype=bool), ids, ids,
+                          ids)
+    span = forward_span(engine, dataclasses.replace(decode, trace_context=with_state), 1)
     assert span is not None
-    span.end()
+    end_forward_span(span, ForwardResult(ids, cuda_graph_bucket=8))
     unsampled = {"traceparent": inject(step)["traceparent"][:-2] + "00"}
-    assert start_forward_span(engine, unsampled, "DECODE", 4, 4, None, 1) is None
-    root = start_forward_span(engine, {}, "IDLE", 0, 0, None, 1)
+    assert forward_span(engine, dataclasses.replace(decode, trace_context=unsampled), 1) is None
+    root = forward_span(engine, ForwardBatch.idle(), 1)
     assert root is not None
-    root.end()
-    (forward, alone) = exporter.get_finished_spans()
-    assert forward.parent == parent.get_span_context() and forward.context.trace_id == ctx.trace_id
+    end_forward_span(root, ForwardResult(ids[:0]))
+    invalid = forward_span(engine, dataclasses.replace(decode, trace_context=upper), 1)
+    assert invalid is not None and invalid.parent is None  # type: ignore[attr-defined]
+    invalid.end()
+    assert forward_span(Tracing("engine", 1, env={}), decode, 1) is None  # tracing off
+    (forward, alone, _) = exporter.get_finished_spans()
+    assert forward.parent == carried(with_state) and forward.context.trace_id == ctx.trace_id
+    assert forward.context.trace_state == trace.TraceState([("vendor", "x")])
     assert forward.kind == trace.SpanKind.SERVER and forward.context.trace_flags.sampled
     assert dict(forward.attributes) == {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": 4,
                                         "modeserve.num_tokens": 4, "modeserve.dp_rank": 1,
                                         "modeserve.cuda_graph": True, "modeserve.padded_batch_size": 8}
     assert alone.parent is None and alone.attributes["modeserve.forward_mode"] == "IDLE"
+    assert alone.attributes["modeserve.cuda_graph"] is False and alone.attributes["modeserve.padded_batch_size"] == 0
     assert forward.resource.attributes["modeserve.dp_rank"] == 1
 
 
