@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -14,9 +13,10 @@ import pytest
 from modeserve.operator.ranks import RouterRank
 from modeserve.operator.router_client import GrpcAdminClient, RouterUnreachable
 from modeserve.proto.v1 import admin_pb2_grpc
-from modeserve.service.router.admin_servicer import AdminServicer
+from modeserve.service.router.admin_servicer import ADMIN_SERVICE, AdminServicer
 from modeserve.service.router.dispatch import Dispatcher
 from modeserve.service.router.rank_table import RankTable
+from modeserve.service.rpc.aio_server import AioServer, EventLoopThread
 
 
 def no_engine(rank: int, address: str, on_failure: Any) -> Any:
@@ -26,14 +26,14 @@ def no_engine(rank: int, address: str, on_failure: Any) -> Any:
 @pytest.fixture
 def router() -> Iterator[str]:
     table = RankTable(no_engine, Dispatcher(), health_interval=0.05)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(table), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    events = EventLoopThread()
+    server = AioServer(events, "127.0.0.1:0",
+                       [lambda s: admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(table), s)], [ADMIN_SERVICE])
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{server.port}"
     finally:
-        server.stop(None)
+        server.shutdown(0)
+        events.close()
         table.close()
 
 

@@ -12,7 +12,7 @@ from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.rpc.engine_server import create_engine_server
-from modeserve.service.cli.router import start_remote_router
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -25,8 +25,8 @@ def test_graph_decode_beside_an_idle_rank(tmp_path: Path) -> None:
     runners = [ModelRunner(cfg.runner, open_checkpoint(folder)) for _ in range(2)]
     assert all(r.graphs is not None for r in runners)
     servers = [create_engine_server(r, "127.0.0.1:0", model_path=str(folder), dp_rank=i) for i, r in enumerate(runners)]
-    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{s.port}" for s in servers], None, SchedulerConfig(),
-                              dispatch="round-robin", lockstep=True)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{s.port}" for s in servers], None,
+                              RemoteRouterConfig(SchedulerConfig(), dispatch="round-robin", lockstep=True))
     client = GenerateClient(f"127.0.0.1:{app.port}")
     try:
         out = client.generate(token_ids=[3, 1, 4, 1, 5, 9, 2, 6], max_new_tokens=16, ignore_eos=True,

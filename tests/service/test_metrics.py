@@ -16,7 +16,8 @@ from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.rpc.engine_server import create_engine_server
-from modeserve.service.cli.router import describe_engine, start_remote_router
+from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
+from modeserve.service.rpc.engine_client import describe_engine
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_serve import generate_all
 
@@ -42,9 +43,8 @@ def engine_and_router(tiny_model: Path):  # type: ignore[no-untyped-def]
     cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=2048)
     runner = ModelRunner(cfg.runner, open_checkpoint(tiny_model))
     engine = create_engine_server(runner, "127.0.0.1:0", model_path=str(tiny_model), dp_rank=0, metrics_port=0)
-    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None,
-                              SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5),
-                              metrics_port=0)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5), metrics_port=0))
     yield engine, app
     app.stop(grace=1)
     engine.server.stop(1)

@@ -272,27 +272,34 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
 
 def _traced_loop(tiny_model: Path, tracing: Tracing) -> Any:
     from modeserve.engine.llm import LLM
-    from modeserve.service.router.rank_loop import EngineLoop
-    from modeserve.service.rpc.transport import InProcessTransport
+    from modeserve.service.router.rank_loop import RankLoop
+    from modeserve.service.router.rank_policy import FreeRunning
+    from modeserve.service.telemetry.step_tracing import StepTracer
 
     llm = LLM(model=str(tiny_model), page_size=4, max_running_requests=4)
-    return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), tracing=tracing, name="traced")
+    return RankLoop("traced", llm.scheduler, llm.runner, FreeRunning(2), tracer=StepTracer(tracing, 0, in_process=True))
 
 
 def _generate(loop: Any, tracing: Tracing, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
     """Requests submitted before the loop starts (so every step serves all of them), each with a
     request span (as the router makes); their spans."""
     from modeserve.engine.sampling_params import SamplingParams
+    from modeserve.service.router.request_handle import RequestHandle
+    from modeserve.service.telemetry.step_tracing import RequestTrace
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    handles = [loop.submit(loop.make_request(f"r{i}", p, sp), tracing.start_span(f"text_completion r{i}"))
+    handles = [RequestHandle(loop.scheduler.make_request(f"r{i}", p, sp),
+                             trace=RequestTrace(tracing.start_span(f"text_completion r{i}")))
                for i, p in enumerate(prompts)]
+    for h in handles:
+        loop.submit(h)
     loop.start()
     for h in handles:
         while h.updates.get(timeout=60).finish_reason is None:
             pass
-        h.span.end()
-    return [h.span for h in handles]
+        h.trace.finish()
+        h.trace.span.end()
+    return [h.trace.span for h in handles]
 
 
 def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> None:
