@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "grpc_overlap_vs_inprocess_sync": round(us("grpc", True, bs) / us("inprocess", False, bs), 3),
                           "grpc_sync_vs_inprocess_sync": round(us("grpc", False, bs) / us("inprocess", False, bs), 3)}
               for bs in batch_sizes}
-    return {"bench": "serving", "model": args.model or f"random:{args.shape}", "device": "cpu",
+    return {"bench": "decode-step", "model": args.model or f"random:{args.shape}", "device": "cpu",
             "torch_threads_per_engine": args.threads, "prompt_len": args.prompt_len, "decode_steps": args.steps, "repeats": args.repeats,
             "results": rows, "ratios": ratios,
             "grpc_version": grpc.__version__}
