@@ -38,6 +38,14 @@ def add_parser(sub: Any) -> None:
     srv.add_argument("--threads", type=int, default=1,
                      help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
     srv.set_defaults(func=_json_bench("decode_step"))
+    from ..bench import serving, streams
+
+    load = kinds.add_parser("serving", help="load generator over serve and router+engine: tok/s, TTFT, ITL vs offline")
+    serving.add_arguments(load)
+    load.set_defaults(func=_json_bench("serving"))
+    many = kinds.add_parser("streams", help="N concurrent streams against serve, every status code counted")
+    streams.add_arguments(many)
+    many.set_defaults(func=_json_bench("streams"))
     tr = kinds.add_parser("tracing", help="decode step with tracing on (100% sampled, OTLP) vs off")
     tr.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")
     tr.add_argument("--shape", default="tiny")
