@@ -11,10 +11,12 @@ from typing import Any
 
 
 def measure(model: str, engine_args: dict[str, Any], prompts: list[list[int]], output_len: int,
-            single_prompt: list[int]) -> dict[str, Any]:
-    """Output tok/s of ``prompts`` at once, and seconds per decode step of ``single_prompt`` alone."""
+            single_prompt: list[int], warm_prompts: list[list[int]], threads: int) -> dict[str, Any]:
+    """Output tok/s of ``prompts`` at once, and seconds per decode step of ``single_prompt`` alone,
+    after ``warm_prompts`` (4 tokens each, as the servers get) on ``threads`` torch CPU threads."""
     import torch
 
+    torch.set_num_threads(threads)
     from ...engine.llm import LLM
     from ...engine.sampling_params import SamplingParams
     from .batch import add_batch, prefill
@@ -23,9 +25,7 @@ def measure(model: str, engine_args: dict[str, Any], prompts: list[list[int]], o
     llm = LLM(model=model, **engine_args)
     device = torch.device(llm.runner.device)
     sp = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
-    # warm-up on prompts no later request shares a prefix with: first-use costs stay out
-    llm.generate(prompt_token_ids=[[3 + (i + j) % 5 for j in range(16)] for i in range(2)],
-                 sampling_params=sp.replace(max_new_tokens=8))
+    llm.generate(prompt_token_ids=warm_prompts, sampling_params=sp.replace(max_new_tokens=4))
     sync(device)
     start = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
@@ -49,11 +49,12 @@ def _child(out: Any, *args: Any) -> None:
 
 
 def measure_in_child(model: str, engine_args: dict[str, Any], prompts: list[list[int]], output_len: int,
-                     single_prompt: list[int], timeout: float = 3600.0) -> dict[str, Any]:
+                     single_prompt: list[int], warm_prompts: list[list[int]], threads: int,
+                     timeout: float = 3600.0) -> dict[str, Any]:
     """``measure`` in a spawned process: its memory (the device's too) is free again when it returns."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(out, model, engine_args, prompts, output_len, single_prompt))
+    proc = ctx.Process(target=_child, args=(out, model, engine_args, prompts, output_len, single_prompt, warm_prompts, threads))
     proc.start()
     try:
         deadline = time.monotonic() + timeout

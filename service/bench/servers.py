@@ -69,27 +69,28 @@ def stop(proc: subprocess.Popen[str], grace: float = 30.0) -> int:
 
 @contextlib.contextmanager
 def serve(model: str, engine_args: dict[str, Any], max_queued_requests: int,
-          extra: tuple[str, ...] = ()) -> Iterator[str]:
+          env: dict[str, str] | None = None) -> Iterator[str]:
     """One ``modeserve serve`` process (router + scheduler + engine)."""
     with spawn("serve", "--model", model, "--max-queued-requests", str(max_queued_requests), "--grace-period", "5",
-               *engine_flags(engine_args), *extra) as address:
+               *engine_flags(engine_args), env=env) as address:
         yield address
 
 
 @contextlib.contextmanager
-def router_and_engine(model: str, engine_args: dict[str, Any], max_queued_requests: int) -> Iterator[str]:
+def router_and_engine(model: str, engine_args: dict[str, Any], max_queued_requests: int,
+                      env: dict[str, str] | None = None) -> Iterator[str]:
     """A ``modeserve engine`` process and a ``modeserve router`` process over it; yields the router."""
-    with spawn("engine", "--model", model, "--grace-period", "5", *engine_flags(engine_args)) as engine:
+    with spawn("engine", "--model", model, "--grace-period", "5", *engine_flags(engine_args), env=env) as engine:
         with spawn("router", "--engines", engine, "--max-queued-requests", str(max_queued_requests),
-                   "--grace-period", "5", *engine_flags(engine_args, scheduler_only=True)) as router:
+                   "--grace-period", "5", *engine_flags(engine_args, scheduler_only=True), env=env) as router:
             yield router
 
 
-def server(target: str, model: str, engine_args: dict[str, Any],
-           max_queued_requests: int) -> contextlib.AbstractContextManager[str]:
+def server(target: str, model: str, engine_args: dict[str, Any], max_queued_requests: int,
+           env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[str]:
     """``serve`` or ``router`` (over one engine), as ``--target`` names them."""
     if target == "serve":
-        return serve(model, engine_args, max_queued_requests)
+        return serve(model, engine_args, max_queued_requests, env)
     if target == "router":
-        return router_and_engine(model, engine_args, max_queued_requests)
+        return router_and_engine(model, engine_args, max_queued_requests, env)
     raise ValueError(f"unknown target {target!r} (serve, router)")

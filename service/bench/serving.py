@@ -57,12 +57,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         single = random_prompts(vocab, 1, n_in, seed=len(levels)).tolist()[0]
         from .offline_ref import measure_in_child
 
-        offline = measure_in_child(str(folder), engine_args, prompt_sets[0], n_out, single)
+        warm = random_prompts(vocab, 8, n_in, seed=99).tolist()  # first-use costs stay out of every timing
+        offline = measure_in_child(str(folder), engine_args, prompt_sets[0], n_out, single, warm, args.threads)
+        env = {"OMP_NUM_THREADS": str(args.threads)}  # the offline run's torch threads, in every server process
         rows = []
         for target in TARGETS[args.target]:
-            with server(target, str(folder), engine_args, max(levels) + 64) as address:
-                warm = [(f"warm{i}", p) for i, p in enumerate(random_prompts(vocab, 8, n_in, seed=99).tolist())]
-                run_clients(address, warm, 4, 8, args.processes)  # first-use costs stay out
+            with server(target, str(folder), engine_args, max(levels) + 64, env) as address:
+                run_clients(address, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
                 for k, c in enumerate(levels):  # a fresh prompt set per level: no prefix-cache hits across levels
                     jobs = [(f"{target}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k])]
                     results = run_clients(address, jobs, n_out, c, args.processes, args.channels, args.timeout)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     top = [r for r in rows if r["concurrency"] == max(levels)]
     return {"bench": "serving", "model": args.model or f"random:{args.shape}",
             "device": engine_args.get("device", "cpu"), "num_prompts": n, "input_len": n_in, "output_len": n_out,
-            "concurrency": levels, "client_processes": args.processes, "channels_per_process": args.channels,
+            "concurrency": levels, "torch_threads": args.threads, "client_processes": args.processes, "channels_per_process": args.channels,
             "engine_args": engine_args, "offline": offline, "results": rows,
             "serving_vs_offline_at_max_concurrency": {r["target"]: r["vs_offline_output_tok_s"] for r in top},
             "itl_p50_vs_decode_step_at_concurrency_1": {r["target"]: r["itl_p50_vs_offline_decode_step"]
@@ -93,4 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", type=int, default=4, help="client processes")
     p.add_argument("--channels", type=int, default=1, help="grpc.aio channels per client process")
     p.add_argument("--timeout", type=float, default=3600.0, help="deadline of each request, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each server process and the offline "
+                                                          "run (1 leaves cores to the router and the clients)")
     add_engine_args(p)  # passed to the server processes and the offline run alike
