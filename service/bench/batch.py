@@ -36,6 +36,11 @@ def config_file(path: str) -> dict[str, Any]:
     return config
 
 
+def vocab_size(folder: str | Path) -> int:
+    """The vocabulary size in a model folder's ``config.json``."""
+    return int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``LLM`` arguments every GPU benchmark takes from its shared flags (``_gpu_bench_args``):
     model folder aside, where the model runs and how its steps launch."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ...engine.config import SchedulerConfig
-from .serving import remote_engine
+from .decode_step import remote_engine
 from ..rpc.client import GenerateClient
 
 

@@ -1,129 +1,99 @@
-"""Transport overhead: the decode step through an in-process engine vs a remote engine process
-over gRPC on loopback, with and without overlap, at several batch sizes (JSON out)."""
+"""Serving load generator: fixed-length greedy requests over gRPC on loopback against ``modeserve
+serve`` and ``modeserve router`` + ``engine`` processes, a closed loop at each concurrency, from
+asyncio clients in separate processes; output tok/s, TTFT and ITL per target and concurrency, next
+to the offline figures of the same workload measured in the same run (``offline_ref``)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
-from typing import Any, Generator
+from typing import Any, Sequence
 
-import grpc
-import torch
+from ..cli.engine_args import add_engine_args, engine_kwargs
+from .load_client import StreamResult, percentile, run_clients, status_counts
+from .servers import server
 
-from ...engine.config import SchedulerConfig
-from ...engine.sampling_params import SamplingParams
-from ..router.rank_loop import EngineLoop
-from ..telemetry.tracing import Tracing
+TARGETS = {"serve": ("serve",), "router": ("router",), "both": ("serve", "router")}
 
 
-def _run_batch(loop: EngineLoop, batch_size: int, prompt_len: int, new_tokens: int,
-               tracing: Tracing | None = None) -> tuple[float, float]:
-    """Seconds for ``batch_size`` requests of ``new_tokens`` tokens each, submitted together (each
-    with a request span, as the router makes, when ``tracing`` is on: the time then ends when every
-    span of the run has been exported, so export counts in full even when it would overlap): wall
-    time, and CPU time of the whole process (every thread)."""
-    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    start, start_cpu = time.perf_counter(), time.process_time()
-    spans = [tracing.start_span("text_completion bench") if tracing is not None else None for _ in range(batch_size)]
-    handles = [loop.submit(loop.make_request(f"b{batch_size}-{i}-{time.monotonic_ns()}",
-                                             [3 + (i + j) % 200 for j in range(prompt_len)], sp), spans[i])
-               for i in range(batch_size)]
-    for h in handles:  # drained one request at a time: the consumer wakes rarely during decode
-        while h.updates.get(timeout=300).finish_reason is None:
-            pass
-        if h.span is not None:
-            h.span.end()
-    if tracing is not None:
-        tracing.flush()
-    return time.perf_counter() - start, time.process_time() - start_cpu
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
 
 
-def measure_decode(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int,
-                   tracing: Tracing | None = None) -> tuple[float, float]:
-    """Microseconds per decode step, wall and process CPU: (time with ``steps`` more tokens - time
-    with one) / steps."""
-    long = _run_batch(loop, batch_size, prompt_len, steps + 1, tracing)
-    short = _run_batch(loop, batch_size, prompt_len, 1, tracing)
-    return (long[0] - short[0]) / steps * 1e6, (long[1] - short[1]) / steps * 1e6
+def summarize(results: Sequence[StreamResult], output_len: int) -> dict[str, Any]:
+    """Output tok/s over the run's wall time (first call to last end), TTFT and ITL percentiles (ms)."""
+    ok = [r for r in results if r.code == "OK" and len(r.token_ids) == output_len]
+    seconds = max(r.end for r in results) - min(r.start for r in results)
+    ttft = [r.first - r.start for r in ok if r.first is not None]
+    itl = [g for r in ok for g in r.gaps]
+    return {"completed": len(ok), "failed": len(results) - len(ok), "status_codes": status_counts(results),
+            "seconds": round(seconds, 3), "output_tokens_per_s": round(sum(len(r.token_ids) for r in ok) / seconds, 1),
+            "ttft_ms_p50": _ms(percentile(ttft, 50)), "ttft_ms_p99": _ms(percentile(ttft, 99)),
+            "itl_ms_p50": _ms(percentile(itl, 50)), "itl_ms_p99": _ms(percentile(itl, 99))}
 
 
-def measure_decode_us(loop: EngineLoop, batch_size: int, prompt_len: int, steps: int,
-                      tracing: Tracing | None = None) -> float:
-    """Wall microseconds per decode step (``measure_decode``)."""
-    return measure_decode(loop, batch_size, prompt_len, steps, tracing)[0]
-
-
-def _local_loop(model: str, overlap: bool, engine_args: dict[str, Any]) -> EngineLoop:
-    from ...engine.llm import LLM
-    from ..rpc.transport import InProcessTransport
-
-    llm = LLM(model=model, **engine_args)
-    return EngineLoop(llm.scheduler, InProcessTransport(llm.runner), overlap=overlap, name="local")
-
-
-def remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "engine", "--model", model,
-                             "--host", "127.0.0.1", "--port", "0", *flags], stdout=subprocess.PIPE, text=True,
-                            env=env)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "listening on" not in line:
-            raise RuntimeError(f"engine did not start: {line!r}")
-        yield f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def workload_engine_args(args: argparse.Namespace, max_concurrency: int) -> dict[str, Any]:
+    """The engine arguments of every server process and of the offline run: the flags given, the rest
+    sized for the workload (every request of the highest concurrency running, its KV resident)."""
+    given = engine_kwargs(args)
+    running = given.setdefault("max_running_requests", max_concurrency)
+    context = args.input_len + args.output_len + 16
+    given.setdefault("max_context_len", context)
+    if "kv_cache_memory_gb" not in given:
+        given.setdefault("kv_cache_tokens", running * (context + given.get("page_size", 16)) + 64)
+    return given
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ...engine.models.random_checkpoint import write_random_checkpoint
-    from ..cli.router import connect_engine
+    from .batch import model_folder, random_prompts, vocab_size
 
-    tmp = tempfile.TemporaryDirectory()
-    model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine_args = {"page_size": 16, "max_running_requests": max(batch_sizes)}
-    torch.set_num_threads(args.threads)  # the in-process engines; the remote one gets the same
-    remote = remote_engine(model, engine_args, args.threads)
-    address = next(remote)
-    loops: dict[tuple[str, bool], EngineLoop] = {}
-    for overlap in (False, True):
-        loops["inprocess", overlap] = _local_loop(model, overlap, engine_args)
-        loops["grpc", overlap] = connect_engine(address, SchedulerConfig(max_running_requests=max(batch_sizes)),
-                                                overlap, 1024, 60)
-    for loop in loops.values():
-        loop.start()
-    samples: dict[tuple[str, bool, int], list[float]] = {}
-    for rep in range(args.repeats + 1):  # round 0 warms up; rounds interleave the configurations
-        for (transport, overlap), loop in loops.items():
-            for bs in batch_sizes:
-                value = measure_decode_us(loop, bs, args.prompt_len, args.steps if rep else 8)
-                if rep:
-                    samples.setdefault((transport, overlap, bs), []).append(value)
-    for loop in loops.values():
-        loop.stop()
-    remote.close()
-    tmp.cleanup()
-    rows = [{"transport": t, "overlap": o, "batch_size": bs, "us_per_decode_step": round(statistics.median(v), 1),
-             "us_min_max": [round(min(v), 1), round(max(v), 1)]} for (t, o, bs), v in samples.items()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    n, n_in, n_out = args.num_prompts, args.input_len, args.output_len
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, load_format = model_folder(args, tmp)
+        engine_args = {"load_format": load_format, **workload_engine_args(args, max(levels))}
+        vocab = vocab_size(folder)
+        prompt_sets = [random_prompts(vocab, n, n_in, seed=k).tolist() for k in range(len(levels))]
+        single = random_prompts(vocab, 1, n_in, seed=len(levels)).tolist()[0]
+        from .offline_ref import measure_in_child
 
-    def us(transport: str, overlap: bool, bs: int) -> float:
-        return statistics.median(samples[transport, overlap, bs])
+        warm = random_prompts(vocab, 8, n_in, seed=99).tolist()  # first-use costs stay out of every timing
+        offline = measure_in_child(str(folder), engine_args, prompt_sets[0], n_out, single, warm, args.threads)
+        env = {"OMP_NUM_THREADS": str(args.threads)}  # the offline run's torch threads, in every server process
+        rows = []
+        for target in TARGETS[args.target]:
+            with server(target, str(folder), engine_args, max(levels) + 64, env) as address:
+                run_clients(address, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
+                for k, c in enumerate(levels):  # a fresh prompt set per level: no prefix-cache hits across levels
+                    jobs = [(f"{target}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k])]
+                    results = run_clients(address, jobs, n_out, c, args.processes, args.channels, args.timeout)
+                    row = {"target": target, "concurrency": c, **summarize(results, n_out)}
+                    row["vs_offline_output_tok_s"] = round(row["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
+                    if c == 1 and row["itl_ms_p50"] is not None:
+                        row["itl_p50_vs_offline_decode_step"] = round(row["itl_ms_p50"] / offline["decode_step_ms_batch1"], 3)
+                    rows.append(row)
+    top = [r for r in rows if r["concurrency"] == max(levels)]
+    return {"bench": "serving", "model": args.model or f"random:{args.shape}",
+            "device": engine_args.get("device", "cpu"), "num_prompts": n, "input_len": n_in, "output_len": n_out,
+            "concurrency": levels, "torch_threads": args.threads, "client_processes": args.processes, "channels_per_process": args.channels,
+            "engine_args": engine_args, "offline": offline, "results": rows,
+            "serving_vs_offline_at_max_concurrency": {r["target"]: r["vs_offline_output_tok_s"] for r in top},
+            "itl_p50_vs_decode_step_at_concurrency_1": {r["target"]: r["itl_p50_vs_offline_decode_step"]
+                                                        for r in rows if "itl_p50_vs_offline_decode_step" in r}}
 
-    ratios = {f"bs{bs}": {"grpc_overlap_vs_inprocess_overlap": round(us("grpc", True, bs) / us("inprocess", True, bs), 3),
-                          "grpc_overlap_vs_inprocess_sync": round(us("grpc", True, bs) / us("inprocess", False, bs), 3),
-                          "grpc_sync_vs_inprocess_sync": round(us("grpc", False, bs) / us("inprocess", False, bs), 3)}
-              for bs in batch_sizes}
-    return {"bench": "serving", "model": args.model or f"random:{args.shape}", "device": "cpu",
-            "torch_threads_per_engine": args.threads, "prompt_len": args.prompt_len, "decode_steps": args.steps, "repeats": args.repeats,
-            "results": rows, "ratios": ratios,
-            "grpc_version": grpc.__version__}
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder (default: random weights of --shape)")
+    p.add_argument("--shape", default="tiny", help="preset (tiny, llama-3.1-8b, ...) or a config.json path")
+    p.add_argument("--target", choices=sorted(TARGETS), default="both",
+                   help="serve: one process; router: modeserve router + one modeserve engine; both")
+    p.add_argument("--concurrency", default="1,64,512", help="requests in flight (closed loop), one run each")
+    p.add_argument("--num-prompts", type=int, default=512, help="requests per concurrency level")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
+    p.add_argument("--output-len", type=int, default=512, help="new tokens per request (ignore_eos, greedy)")
+    p.add_argument("--processes", type=int, default=4, help="client processes")
+    p.add_argument("--channels", type=int, default=1, help="grpc.aio channels per client process")
+    p.add_argument("--timeout", type=float, default=3600.0, help="deadline of each request, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of each server process and the offline "
+                                                          "run (1 leaves cores to the router and the clients)")
+    add_engine_args(p)  # passed to the server processes and the offline run alike

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .serving import measure_decode
+from .decode_step import measure_decode
 from ..router.rank_loop import EngineLoop
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing

@@ -44,8 +44,8 @@ def test_bench_offline_prints_json_with_peer_ratio(tmp_path: Path) -> None:
     assert result["speedup_vs_transformers"] == pytest.approx(expected, rel=1e-2)
 
 
-def test_bench_serving_prints_json_with_ratios() -> None:
-    proc = modeserve("bench", "serving", "--batch-sizes", "1,2", "--steps", "32", "--repeats", "1")
+def test_bench_decode_step_prints_json_with_ratios() -> None:
+    proc = modeserve("bench", "decode-step", "--batch-sizes", "1,2", "--steps", "32", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["transport"], r["overlap"], r["batch_size"]) for r in result["results"]} == {

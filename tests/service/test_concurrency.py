@@ -1,0 +1,110 @@
+"""Thousands of concurrent streams against a real ``modeserve serve`` process from one ``grpc.aio``
+client: every stream ends OK and token-exact against ``LLM.generate`` (greedy is batch-independent),
+the server cancels none, and over ``--max-queued-requests`` the excess is refused with
+RESOURCE_EXHAUSTED and nothing else. Every status code is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from modeserve.engine import LLM, SamplingParams
+from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
+from modeserve.service.bench.servers import engine_flags, spawn
+from tests.engine.tiny_models import COMMON
+
+NEW_TOKENS = 32
+# the server and the reference alike: every stream can run at once, its KV resident
+ENGINE_ARGS = dict(page_size=16, max_running_requests=256, kv_cache_tokens=64 * 1024, chunked_prefill_size=2048)
+DEADLINE_S = 150.0  # the whole run of one test's streams; past it the test fails, not hangs
+
+
+@dataclass
+class Outcome:
+    code: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    end: float = 0.0  # time.monotonic() when the stream ended
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Varied short prompts: 1 to 16 ids, none special (eos is 2)."""
+    v = COMMON["vocab_size"]
+    return [[3 + (i * 131 + j * 17 + i // 7) % (v - 3) for j in range(1 + (i * 7) % 16)] for i in range(count)]
+
+
+def reference(model: Path, batch: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model=str(model), **ENGINE_ARGS)  # type: ignore[arg-type]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=sp)]
+
+
+async def _stream_all(address: str, batch: list[list[int]]) -> list[Outcome]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        stub = generate_pb2_grpc.GenerateStub(channel)
+
+        async def one(i: int, prompt: list[int]) -> Outcome:
+            req = generate_pb2.GenerateRequest(request_id=f"c{i}", token_ids=prompt, sampling=generate_pb2.SamplingParams(
+                temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+            out = Outcome("OK")
+            try:
+                async for msg in stub.Generate(req):
+                    out.token_ids.extend(msg.token_ids)
+                    out.finish_reason = msg.finish_reason or out.finish_reason
+            except grpc.aio.AioRpcError as exc:
+                out.code = exc.code().name
+            out.end = time.monotonic()
+            return out
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+
+
+def stream_all(address: str, batch: list[list[int]]) -> list[Outcome]:
+    """Every prompt as its own stream, all opened at once on one channel."""
+    return asyncio.run(asyncio.wait_for(_stream_all(address, batch), DEADLINE_S))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[str]:
+    with spawn("serve", "--model", str(tiny_model), "--max-queued-requests", "8192",
+               *engine_flags(ENGINE_ARGS)) as address:
+        yield address
+
+
+@pytest.mark.parametrize("count", [500, pytest.param(3000, marks=pytest.mark.slow)])
+def test_concurrent_streams_all_complete_token_exact(server: str, tiny_model: Path, count: int) -> None:
+    batch = prompts(count)
+    outcomes = stream_all(server, batch)
+    codes = Counter(o.code for o in outcomes)
+    assert codes == {"OK": count}, f"status codes of {count} streams: {dict(codes)}"  # CANCELLED among them: the server's
+    assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outcomes)
+    expect = reference(tiny_model, batch)
+    wrong = [i for i, (o, e) in enumerate(zip(outcomes, expect)) if o.token_ids != e]
+    assert not wrong, f"{len(wrong)} of {count} streams differ from LLM.generate, first {wrong[:5]}"
+
+
+def test_over_max_queued_requests_the_excess_is_refused_and_the_rest_complete(tiny_model: Path) -> None:
+    limit, count = 200, 600
+    batch = prompts(count)
+    with spawn("serve", "--model", str(tiny_model), "--max-queued-requests", str(limit),
+               *engine_flags(ENGINE_ARGS)) as address:
+        outcomes = stream_all(address, batch)
+    codes = Counter(o.code for o in outcomes)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, dict(codes)
+    assert codes["OK"] >= limit and codes["RESOURCE_EXHAUSTED"] > 0, dict(codes)  # the queue filled, then refused
+    refused_last = max((o.end for o in outcomes if o.code != "OK"), default=0.0)
+    first_done = min(o.end for o in outcomes if o.code == "OK")
+    if refused_last < first_done:  # no slot came free while requests arrived: exactly the excess was refused
+        assert codes == {"OK": limit, "RESOURCE_EXHAUSTED": count - limit}, dict(codes)
+    accepted = [i for i, o in enumerate(outcomes) if o.code == "OK"]
+    assert all(outcomes[i].finish_reason == "length" and len(outcomes[i].token_ids) == NEW_TOKENS for i in accepted)
+    expect = reference(tiny_model, [batch[i] for i in accepted])
+    assert [outcomes[i].token_ids for i in accepted] == expect
