@@ -22,7 +22,7 @@ from ..rpc.client import GenerateClient
 
 def _throughput(model: str, num_engines: int, prompts: list[list[int]], new_tokens: int,
                 engine_args: dict[str, Any]) -> float:
-    from ..cli.router import start_remote_router
+    from ..router.remote import RemoteRouterConfig, start_remote_router
 
     with contextlib.ExitStack() as stack:
         addresses = []
@@ -30,7 +30,8 @@ def _throughput(model: str, num_engines: int, prompts: list[list[int]], new_toke
             gen = remote_engine(model, engine_args, 1)
             addresses.append(next(gen))
             stack.callback(gen.close)
-        app = start_remote_router("127.0.0.1:0", addresses, None, SchedulerConfig(), dispatch="least-loaded")
+        app = start_remote_router("127.0.0.1:0", addresses, None,
+                                  RemoteRouterConfig(SchedulerConfig(), dispatch="least-loaded"))
         stack.callback(app.stop, 1.0)
         client = GenerateClient(f"127.0.0.1:{app.port}")
         stack.callback(client.close)

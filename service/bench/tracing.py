@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from .decode_step import measure_decode
-from ..router.rank_loop import EngineLoop
+from .decode_step import local_rank, measure_decode
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
 
@@ -127,9 +126,7 @@ class _Receiver:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ...engine.llm import LLM
     from ...engine.models.random_checkpoint import write_random_checkpoint
-    from ..rpc.transport import InProcessTransport
 
     receiver = _Receiver() if args.exporter == "otlp" else None  # before the pinning below: not on its CPUs
     if args.cpus:  # every thread of the process, and those made later, on these CPUs
@@ -145,9 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on = (Tracing("bench", 0, env=env) if receiver is not None else
           Tracing("bench", 0, env=env, exporter=dropping, batched=True))  # type: ignore[arg-type]
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
-    llm = LLM(model=model, device=args.device, page_size=16, max_running_requests=args.batch_size)
-    loop = EngineLoop(llm.scheduler, InProcessTransport(llm.runner), name="bench")
-    tracers = {name: StepTracer(t, 0, loop.transport.in_process) if t is not None else None
+    loop = local_rank(model, {"device": args.device, "page_size": 16, "max_running_requests": args.batch_size})
+    tracers = {name: StepTracer(t, 0, in_process=True) if t is not None else None
                for name, t in configs.items()}
     loop.start()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
@@ -159,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     orders = list(itertools.permutations(configs))
     for rep in range(args.repeats + 1):
         for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
-            loop.step_tracer = tracers[name]  # one engine for all: between runs no step is in flight
+            loop.tracer = tracers[name]  # one engine for all: between runs no step is in flight
             steps_before = sum(loop.scheduler.stats.mode_counts.values())
             gc_clock.current = name if rep else None
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])

@@ -8,6 +8,7 @@ import json
 from typing import Any, Callable
 
 from ...engine.config import RunnerConfig
+from ..bench import serving, streams
 from .engine_args import add_engine_args
 
 
@@ -28,18 +29,6 @@ def add_parser(sub: Any) -> None:
     off.add_argument("--seed", type=int, default=0)
     add_engine_args(off)
     off.set_defaults(func=_json_bench("offline"))
-    srv = kinds.add_parser("decode-step", help="decode step through in-process vs gRPC engines, with and without overlap")
-    srv.add_argument("--model", default=None, help="HF folder or .gguf (default: a random model of --shape)")
-    srv.add_argument("--shape", default="tiny", help="random-weight shape when no --model (tiny, llama-3.2-1b, ...)")
-    srv.add_argument("--batch-sizes", default="1,32")
-    srv.add_argument("--steps", type=int, default=200, help="decode steps measured per run")
-    srv.add_argument("--prompt-len", type=int, default=16)
-    srv.add_argument("--repeats", type=int, default=3, help="measurements per configuration (median reported)")
-    srv.add_argument("--threads", type=int, default=1,
-                     help="torch CPU threads per engine (in-process and remote alike; 1 leaves a core to the router)")
-    srv.set_defaults(func=_json_bench("decode_step"))
-    from ..bench import serving, streams
-
     load = kinds.add_parser("serving", help="load generator over serve and router+engine: tok/s, TTFT, ITL vs offline")
     serving.add_arguments(load)
     load.set_defaults(func=_json_bench("serving"))

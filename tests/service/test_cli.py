@@ -44,16 +44,6 @@ def test_bench_offline_prints_json_with_peer_ratio(tmp_path: Path) -> None:
     assert result["speedup_vs_transformers"] == pytest.approx(expected, rel=1e-2)
 
 
-def test_bench_decode_step_prints_json_with_ratios() -> None:
-    proc = modeserve("bench", "decode-step", "--batch-sizes", "1,2", "--steps", "32", "--repeats", "1")
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["transport"], r["overlap"], r["batch_size"]) for r in result["results"]} == {
-        (t, o, b) for t in ("inprocess", "grpc") for o in (False, True) for b in (1, 2)}
-    assert all(r["us_per_decode_step"] > 0 for r in result["results"])
-    assert set(result["ratios"]) == {"bs1", "bs2"}
-
-
 def test_bench_dp_prints_scaling_json() -> None:
     proc = modeserve("bench", "dp", "--engines", "1,2", "--num-prompts", "8", "--new-tokens", "4")
     assert proc.returncode == 0, proc.stderr
