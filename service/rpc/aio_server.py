@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from .grpc_server import MAX_MESSAGE_BYTES
 
 T = TypeVar("T")
+MAX_PENDING_CALLS = 1 << 20
 
 
 class EventLoopThread:
@@ -52,8 +53,12 @@ class AioServer:
         self.port = loop.run(self._start(address, register))
 
     async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]]) -> int:
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC core cancels calls that wait unmatched while more than its default of pending ones
+            # queue (a burst of streams on a busy loop); admission here is --max-queued-requests
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer()
