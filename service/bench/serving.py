@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with server(target, str(folder), engine_args, max(levels) + 64, env) as address:
                 run_clients(address, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
                 for k, c in enumerate(levels):  # a fresh prompt set per level: no prefix-cache hits across levels
-                    jobs = [(f"{target}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k])]
+                    count = min(n, max(args.waves * c, 4))  # a level runs that many waves of requests
+                    jobs = [(f"{target}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k][:count])]
                     results = run_clients(address, jobs, n_out, c, args.processes, args.channels, args.timeout)
                     row = {"target": target, "concurrency": c, **summarize(results, n_out)}
                     row["vs_offline_output_tok_s"] = round(row["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
@@ -88,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=sorted(TARGETS), default="both",
                    help="serve: one process; router: modeserve router + one modeserve engine; both")
     p.add_argument("--concurrency", default="1,64,512", help="requests in flight (closed loop), one run each")
-    p.add_argument("--num-prompts", type=int, default=512, help="requests per concurrency level")
+    p.add_argument("--num-prompts", type=int, default=512, help="requests at most per concurrency level (and offline)")
+    p.add_argument("--waves", type=int, default=2, help="a level runs waves x concurrency requests (at least 4)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random ids)")
     p.add_argument("--output-len", type=int, default=512, help="new tokens per request (ignore_eos, greedy)")
     p.add_argument("--processes", type=int, default=4, help="client processes")

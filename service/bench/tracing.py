@@ -21,11 +21,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from .batch import model_folder
 from .decode_step import local_rank, measure_decode
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
@@ -126,7 +126,6 @@ class _Receiver:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ...engine.models.random_checkpoint import write_random_checkpoint
 
     receiver = _Receiver() if args.exporter == "otlp" else None  # before the pinning below: not on its CPUs
     if args.cpus:  # every thread of the process, and those made later, on these CPUs
@@ -134,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for tid in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(tid), cpus)
     tmp = tempfile.TemporaryDirectory()
-    model = args.model or str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
+    folder, load_format = model_folder(args, tmp.name)
     torch.set_num_threads(args.threads)
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port if receiver else 0}",
            "OTEL_TRACES_SAMPLER": "always_on"}
@@ -142,7 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on = (Tracing("bench", 0, env=env) if receiver is not None else
           Tracing("bench", 0, env=env, exporter=dropping, batched=True))  # type: ignore[arg-type]
     configs = {"tracing_off": None, "tracing_off_again": None, "tracing_on": on}
-    loop = local_rank(model, {"device": args.device, "page_size": 16, "max_running_requests": args.batch_size})
+    kv_tokens = args.batch_size * (args.prompt_len + args.steps + 32) + 64  # every request of a run resident
+    loop = local_rank(str(folder), {"device": args.device, "page_size": 16, "max_running_requests": args.batch_size,
+                                    "load_format": load_format, "kv_cache_tokens": kv_tokens})
     tracers = {name: StepTracer(t, 0, in_process=True) if t is not None else None
                for name, t in configs.items()}
     loop.start()
