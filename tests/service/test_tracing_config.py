@@ -1,0 +1,108 @@
+"""OpenTelemetry configuration and context propagation, without servers or a model: with no OTEL
+endpoint (or the SDK disabled) nothing is traced; the batch processor's settings, the resource and
+the sampler come from the ``OTEL_*`` environment; the engine's forward span is a child of the
+router's injected trace context, sampled as its flags say, and a root span where the context is
+invalid or missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+
+from modeserve.service.telemetry.tracing import Tracing
+
+
+def test_tracing_off_without_endpoint() -> None:
+    tr = Tracing("router", env={})
+    assert not tr.enabled
+    assert not tr.start_span("x").get_span_context().is_valid
+    assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
+
+
+def test_batch_settings_from_env() -> None:
+    from modeserve.service.telemetry.tracing import batch_settings_from_env
+
+    assert batch_settings_from_env({}) == {"schedule_delay_millis": 5000, "max_export_batch_size": 2048,
+                                           "max_queue_size": 8192, "export_timeout_millis": 30000}
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100"}
+    assert batch_settings_from_env(env) == {"schedule_delay_millis": 50, "max_export_batch_size": 100,
+                                            "max_queue_size": 400, "export_timeout_millis": 30000}
+
+
+def test_resource_and_sampler_from_env() -> None:
+    from opentelemetry.sdk.trace import sampling
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.telemetry.tracing import resource_from_env, sampler_from_env
+
+    env = {"OTEL_SERVICE_NAME": "svc", "POD_NAME": "pod-0", "OTEL_RESOURCE_ATTRIBUTES": "a=1, b = 2,service.name=x,bad"}
+    assert dict(resource_from_env("engine", 3, env).attributes) == {
+        "service.name": "svc", "modeserve.component": "engine", "modeserve.dp_rank": 3, "k8s.pod.name": "pod-0",
+        "a": "1", "b": "2"}
+    assert dict(resource_from_env("router", None, {}).attributes) == {"service.name": "modeserve-router",
+                                                                     "modeserve.component": "router"}
+    assert sampler_from_env({}).get_description() == sampling.ParentBased(sampling.ALWAYS_ON).get_description()
+    ratio = sampler_from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"})
+    assert isinstance(ratio, sampling.TraceIdRatioBased) and ratio.rate == 0.25
+    with pytest.raises(ValueError, match="OTEL_TRACES_SAMPLER"):
+        sampler_from_env({"OTEL_TRACES_SAMPLER": "sometimes"})
+    assert not Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317",
+                                      "OTEL_TRACES_EXPORTER": "none"}).enabled
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("router", env={}, exporter=exporter)
+    tracing.start_span("at", start_time=1_000).end(2_000)
+    (span,) = exporter.get_finished_spans()
+    assert (span.start_time, span.end_time) == (1_000, 2_000)
+
+
+def test_engine_reads_the_routers_trace_context() -> None:
+    """The engine's forward span is a child of the injected context, sampled as its flags say (trace
+    state kept); an invalid ``traceparent`` or none makes a root span."""
+    import dataclasses
+
+    import numpy as np
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
+    from modeserve.engine.forward_mode import ForwardMode
+    from modeserve.service.telemetry.step_tracing import end_forward_span, forward_span
+    from modeserve.service.telemetry.tracing import extract, inject
+
+    exporter = InMemorySpanExporter()
+    engine = Tracing("engine", 1, env={}, exporter=exporter)
+    router = Tracing("router", env={}, exporter=InMemorySpanExporter())
+    step = router.start_span("modeserve.step")
+    ctx = step.get_span_context()
+    carried = lambda carrier: trace.get_current_span(extract(carrier)).get_span_context()  # noqa: E731
+    assert carried(inject(step)) == trace.SpanContext(ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
+    upper = {"traceparent": inject(step)["traceparent"].upper().replace("X", "x")}
+    assert not carried(upper).is_valid  # version 00 is lower case: invalid, as the propagator says
+    with_state = {**inject(step), "tracestate": "vendor=x"}
+    assert carried(with_state).trace_state == trace.TraceState([("vendor", "x")])
+    assert not carried({}).is_valid and not carried({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}).is_valid
+    ids = np.arange(4, dtype=np.int64)
+    decode = ForwardBatch(ForwardMode.DECODE, ids, ids, np.ones(4, dtype=np.int64), np.ones(4, dtype=bool), ids, ids,
+                          ids)
+    span = forward_span(engine, dataclasses.replace(decode, trace_context=with_state), 1)
+    assert span is not None
+    end_forward_span(span, ForwardResult(ids, cuda_graph_bucket=8))
+    unsampled = {"traceparent": inject(step)["traceparent"][:-2] + "00"}
+    assert forward_span(engine, dataclasses.replace(decode, trace_context=unsampled), 1) is None
+    root = forward_span(engine, ForwardBatch.idle(), 1)
+    assert root is not None
+    end_forward_span(root, ForwardResult(ids[:0]))
+    invalid = forward_span(engine, dataclasses.replace(decode, trace_context=upper), 1)
+    assert invalid is not None and invalid.parent is None  # type: ignore[attr-defined]
+    invalid.end()
+    assert forward_span(Tracing("engine", 1, env={}), decode, 1) is None  # tracing off
+    (forward, alone, _) = exporter.get_finished_spans()
+    assert forward.parent == carried(with_state) and forward.context.trace_id == ctx.trace_id
+    assert forward.context.trace_state == trace.TraceState([("vendor", "x")])
+    assert forward.kind == trace.SpanKind.SERVER and forward.context.trace_flags.sampled
+    assert dict(forward.attributes) == {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": 4,
+                                        "modeserve.num_tokens": 4, "modeserve.dp_rank": 1,
+                                        "modeserve.cuda_graph": True, "modeserve.padded_batch_size": 8}
+    assert alone.parent is None and alone.attributes["modeserve.forward_mode"] == "IDLE"
+    assert alone.attributes["modeserve.cuda_graph"] is False and alone.attributes["modeserve.padded_batch_size"] == 0
+    assert forward.resource.attributes["modeserve.dp_rank"] == 1
