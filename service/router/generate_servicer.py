@@ -104,6 +104,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         while True:
             upd = await updates.get()
             tokens = list(upd.token_ids)
+            logprobs = list(upd.logprobs)
+            while upd.finish_reason is None and not updates.empty():  # behind: one message for all that came
+                upd = updates.get_nowait()
+                tokens += upd.token_ids
+                logprobs += upd.logprobs
             num_out += len(tokens)
             if tokens:
                 if last is None and trace is not None:
@@ -113,7 +118,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             if upd.finish_reason is None:
                 if tokens:
                     yield generate_pb2.GenerateResponse(request_id=rid, token_ids=tokens, text=delta,
-                                                        logprobs=list(upd.logprobs))
+                                                        logprobs=logprobs)
                 continue
             if text is not None:
                 delta += text.finish()
@@ -129,7 +134,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                                        cached_tokens=req.num_cached_prompt_tokens)
             yield generate_pb2.GenerateResponse(request_id=rid, token_ids=tokens, text=delta,
                                                 finish_reason=upd.finish_reason, usage=usage,
-                                                logprobs=list(upd.logprobs))
+                                                logprobs=logprobs)
             return
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest,

@@ -13,7 +13,7 @@ from tests.service.test_cli import modeserve
 def test_bench_serving_reports_each_target_and_concurrency_next_to_offline() -> None:
     n, out_len = 6, 5
     proc = modeserve("bench", "serving", "--num-prompts", str(n), "--input-len", "8", "--output-len", str(out_len),
-                     "--concurrency", "1,4", "--processes", "2")
+                     "--concurrency", "1,4", "--waves", "8", "--processes", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["bench"] == "serving" and r["engine_args"]["max_running_requests"] == 4
