@@ -174,12 +174,16 @@ def _check_tokens(prefix: np.ndarray, ext: np.ndarray, ids: np.ndarray, pos: np.
                          f"extend_lens {int(ext[r])}) puts position {int(expected[t])} there")
 
 
+def _check_slot(req_pool_idx: int, field: str, limits: BatchLimits) -> None:
+    if not 0 <= req_pool_idx < limits.max_reqs:
+        raise ValueError(f"{field}.req_pool_idx = {req_pool_idx} is outside [0, {limits.max_reqs})")
+
+
 def _admissions_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> tuple[ReqAdmission, ...]:
     out = []
     for i, a in enumerate(m.admissions):
         field = f"admissions[{i}]"
-        if not 0 <= a.req_pool_idx < limits.max_reqs:
-            raise ValueError(f"{field}.req_pool_idx = {a.req_pool_idx} is outside [0, {limits.max_reqs})")
+        _check_slot(a.req_pool_idx, field, limits)
         if not 0 <= a.prompt_len <= limits.max_context:
             raise ValueError(f"{field}.prompt_len = {a.prompt_len} is outside [0, {limits.max_context}]")
         if not a.HasField("sampling"):
@@ -193,8 +197,7 @@ def _slot_updates_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -
     out = []
     for i, u in enumerate(m.slot_updates):
         field = f"slot_updates[{i}]"
-        if not 0 <= u.req_pool_idx < limits.max_reqs:
-            raise ValueError(f"{field}.req_pool_idx = {u.req_pool_idx} is outside [0, {limits.max_reqs})")
+        _check_slot(u.req_pool_idx, field, limits)
         locs = _unpack(u.kv_locs, _I64, f"{field}.kv_locs")
         if not 0 <= u.start <= limits.max_context - locs.shape[0]:
             raise ValueError(f"{field}: start {u.start} + {locs.shape[0]} kv_locs does not fit in "
