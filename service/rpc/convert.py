@@ -35,7 +35,6 @@ class BatchLimits(NamedTuple):
     vocab_size: int
 
 
-# ---- packing ---------------------------------------------------------------------------------
 def _pack(a: np.ndarray, dtype: np.dtype) -> bytes:
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
 
@@ -53,7 +52,6 @@ def _check_range(a: np.ndarray, lo: int, hi: int, field: str) -> None:
         raise ValueError(f"{field}[{i}] = {int(a[i])} is outside [{lo}, {hi})")
 
 
-# ---- sampling --------------------------------------------------------------------------------
 def _sampling_to_proto(sp: SamplingParams) -> forward_pb2.SlotSampling:
     return forward_pb2.SlotSampling(
         temperature=sp.temperature,
@@ -89,7 +87,6 @@ def _sampling_from_proto(s: forward_pb2.SlotSampling, field: str) -> SamplingPar
         raise ValueError(f"{field}: {exc}") from None
 
 
-# ---- batch -----------------------------------------------------------------------------------
 def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
     return forward_pb2.ForwardBatch(
         step=b.step,
@@ -244,7 +241,6 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
     )
 
 
-# ---- result ----------------------------------------------------------------------------------
 def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:
     m = forward_pb2.ForwardResult(step=step, next_token_ids=_pack(r.next_token_ids, _I64),
                                   forward_seconds=r.forward_seconds)
@@ -286,7 +282,6 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
     )
 
 
-# ---- per-mode statistics ---------------------------------------------------------------------
 def mode_stats_to_proto(stats: Iterable[ForwardModeStats]) -> list[generate_pb2.ModeStat]:
     """Per-mode totals summed over ``stats`` (one per rank), in ForwardMode order."""
     total: dict[str, list[float]] = {}
