@@ -71,10 +71,6 @@ class StepLoop(Generic[StepT]):
         self._in_flight: collections.deque[_Launched[StepT]] = collections.deque()
         self._last_result = time.perf_counter()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()`` and nothing is in flight (steps launched before ``stop()`` still finish)."""
         in_flight = self._in_flight

@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 from modeserve.operator.ranks import RouterRank

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from modeserve.engine.config import EngineConfig, SchedulerConfig
 from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
-from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.rpc.engine_server import create_engine_server
 from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
