@@ -27,11 +27,11 @@ def _run_batch(loop: RankLoop, batch_size: int, prompt_len: int, new_tokens: int
     time, and CPU time of the whole process (every thread)."""
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     start, start_cpu = time.perf_counter(), time.process_time()
-    spans = [tracing.start_span("text_completion bench") if tracing is not None else None for _ in range(batch_size)]
+    spans = [tracing.start("text_completion bench") if tracing is not None else None for _ in range(batch_size)]
     queues = [queue.SimpleQueue[TokenUpdate]() for _ in spans]
     handles = [RequestHandle(loop.scheduler.make_request(f"b{batch_size}-{i}-{time.monotonic_ns()}",
                                                          [3 + (i + j) % 200 for j in range(prompt_len)], sp),
-                             updates=q, trace=RequestTrace(span) if span is not None else None)
+                             updates=q, trace=RequestTrace(tracing, span) if tracing is not None and span is not None else None)
                for i, (span, q) in enumerate(zip(spans, queues))]
     for h in handles:
         loop.submit(h)
@@ -39,8 +39,7 @@ def _run_batch(loop: RankLoop, batch_size: int, prompt_len: int, new_tokens: int
         while q.get(timeout=300).finish_reason is None:
             pass
         if h.trace is not None:
-            h.trace.finish()
-            h.trace.span.end()
+            h.trace.end()
     if tracing is not None:
         tracing.flush()
     return time.perf_counter() - start, time.process_time() - start_cpu

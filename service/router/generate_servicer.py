@@ -9,7 +9,7 @@ import uuid
 from typing import AsyncIterator, Sequence
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from ...engine.tokenizer import Tokenizer
 from ...proto.v1 import generate_pb2, generate_pb2_grpc
@@ -46,7 +46,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             req = self.parser.parse(rid, request)
             loop = self.table.dispatcher.choose(self.table.ready_loops(), req.prompt_ids)
             if trace is not None:
-                trace.span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt_ids))
+                trace.record.set_attributes({"gen_ai.usage.input_tokens": len(req.prompt_ids)})
             handle = RequestHandle(req, asyncio.Queue(), trace)
             loop.submit(handle)
         except (LookupError, QueueFullError, ValueError) as exc:
@@ -54,8 +54,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, QueueFullError) else
                     grpc.StatusCode.INVALID_ARGUMENT)
             if trace is not None:
-                trace.span.set_status(Status(StatusCode.ERROR, str(exc)))
-                trace.span.end()
+                trace.end(error=str(exc))
             await context.abort(code, str(exc))
             return
         finished = False
@@ -66,20 +65,18 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         finally:  # client cancel or deadline (the task is cancelled at its await): free its KV
             if not finished:
                 self.table.abort(rid)
-                if trace is not None and trace.span.is_recording():
-                    trace.finish()
-                    trace.span.set_status(Status(StatusCode.ERROR, "client went away"))
-                    trace.span.end()
+                if trace is not None:
+                    trace.end(error="client went away")
 
     def _request_trace(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestTrace:
         """The request's span (gen_ai conventions), a child of the client's W3C context if it sent one."""
         parent = extract({k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)})
         sp = request.sampling
-        span = self.tracing.start_span(f"text_completion {self.model_name}", parent, SpanKind.SERVER, attributes={
+        span = self.tracing.start(f"text_completion {self.model_name}", parent, SpanKind.SERVER, {
             "gen_ai.operation.name": "text_completion", "gen_ai.system": "modeserve",
             "gen_ai.request.model": self.model_name, "gen_ai.request.max_tokens": sp.max_new_tokens,
             "gen_ai.request.temperature": sp.temperature})
-        return RequestTrace(span)
+        return RequestTrace(self.tracing, span)
 
     def _observe(self, tokens: int, last: float | None, arrived: float) -> float:
         """A message of ``tokens`` tokens reached the stream now: the first one's time to first
@@ -112,7 +109,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             num_out += len(tokens)
             if tokens:
                 if last is None and trace is not None:
-                    trace.span.set_attribute("gen_ai.server.time_to_first_token", time.perf_counter() - arrived)
+                    trace.record.set_attributes({"gen_ai.server.time_to_first_token": time.perf_counter() - arrived})
                 last = self._observe(len(tokens), last, arrived)
             delta = text.push(tokens) if text is not None else ""
             if upd.finish_reason is None:
@@ -125,10 +122,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             if self.metrics is not None:
                 self.metrics.requests.labels(finish_reason=upd.finish_reason).inc()
             if trace is not None:
-                trace.finish()
-                trace.span.set_attributes({"gen_ai.usage.output_tokens": num_out,
-                                           "gen_ai.response.finish_reasons": [upd.finish_reason]})
-                trace.span.end()
+                trace.record.set_attributes({"gen_ai.usage.output_tokens": num_out,
+                                             "gen_ai.response.finish_reasons": [upd.finish_reason]})
+                trace.end()
             req = handle.req
             usage = generate_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_out,
                                        cached_tokens=req.num_cached_prompt_tokens)

@@ -22,8 +22,7 @@ from .rank_policy import StepPolicy
 from .request_handle import Post, RequestHandle, TokenUpdate, continuation, send_updates
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
+    from ..telemetry.span_record import SpanRecord
     from ..telemetry.step_tracing import StepTracer
 
 logger = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ class RankSnapshot:
 class RankStep:
     scheduled: ScheduledStep
     batch: ForwardBatch  # the scheduled batch, with the step span's context when the engine is remote
-    span: Span | None
+    span: SpanRecord | None
 
 
 class RankLoop:

@@ -21,7 +21,7 @@ from ..telemetry.tracing import Tracing
 from .convert import BatchLimits, batch_from_proto, result_to_proto
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from ..telemetry.span_record import SpanRecord
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class StepError(Exception):
 @dataclass(frozen=True)
 class EngineStep:
     batch: ForwardBatch
-    span: Span | None
+    span: SpanRecord | None
 
 
 class _Failed:
@@ -121,7 +121,7 @@ class ForwardStream:
         return EngineStep(batch, forward_span(self.tracing, batch, self.dp_rank) if self.tracing.enabled else None)
 
     def process(self, step: EngineStep, result: ForwardResult) -> None:
-        end_forward_span(step.span, result)
+        end_forward_span(self.tracing, step.span, result)
         batch = step.batch
         self.stats.record(batch.forward_mode, batch.batch_size, batch.num_tokens)
         self.results.put(result_to_proto(result, batch.step))

@@ -6,7 +6,8 @@ request's span (the *head*: the previous step's while it is still served and rec
 stays in one trace), and links to the step's other requests; each request span links back to the
 step spans. A request and each of its first ``MAX_STEP_LINKS`` steps link to each other; later steps
 add no links, so a long decode's spans stay small. The router's step span travels to a remote engine
-as ``ForwardBatch.trace_context``; the engine's forward span is its child.
+as ``ForwardBatch.trace_context``; the engine's forward span is its child. Spans are records here
+(``span_record``): starting and ending one costs a few microseconds of the loop's thread.
 """
 
 from __future__ import annotations
@@ -14,44 +15,49 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind
+from opentelemetry.trace import SpanContext, SpanKind
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
+from .span_record import SpanRecord
 from .tracing import Tracing, extract, forward_attributes, inject
 
 MAX_STEP_LINKS = 16
 
 
 class RequestTrace:
-    """One request's span (made by the router) and its links to the steps that served it. The links
-    are added to the span in batches: when the request has ``MAX_STEP_LINKS`` of them, or when it
-    ends (``finish``). The engine loop and the servicer (a client gone away) may both call ``finish``."""
+    """One request's span (the router's) and its links to the first ``MAX_STEP_LINKS`` steps that
+    served it. The rank loop links steps; the servicer sets attributes and ends it (also when the
+    client went away, while a step may still link to it)."""
 
-    def __init__(self, span: Span) -> None:
-        self.span = span
-        self.step_links = 0  # steps linked to it so far
-        self._pending: list[SpanContext] = []  # of those, not yet added to the span
+    def __init__(self, tracing: Tracing, record: SpanRecord) -> None:
+        self.tracing = tracing
+        self.record = record
+
+    @property
+    def context(self) -> SpanContext:
+        return self.record.context
+
+    @property
+    def recording(self) -> bool:
+        return self.record.recording
+
+    @property
+    def step_links(self) -> int:
+        return len(self.record.links)
 
     @property
     def linkable(self) -> bool:
         """Whether the next step links to it (and it to the step)."""
-        return self.step_links < MAX_STEP_LINKS and self.span.is_recording()
+        return len(self.record.links) < MAX_STEP_LINKS and self.record.recording
 
     def link_step(self, step: SpanContext) -> None:
-        self._pending.append(step)
-        self.step_links += 1
-        if self.step_links == MAX_STEP_LINKS:
-            self.finish()
+        self.record.links.append(step)
 
-    def finish(self) -> None:
-        """Add the pending links (idempotent; before the span ends). The list is swapped out, not
-        cleared, so that two threads never add one link twice."""
-        steps, self._pending = self._pending, []
-        if steps and self.span.is_recording():
-            for ctx in steps:
-                self.span.add_link(ctx)
+    def end(self, error: str | None = None) -> None:
+        """End the span (again: nothing), failed with the status ``error`` when given."""
+        if error is not None:
+            self.record.set_error(error)
+        self.tracing.end(self.record)
 
 
 class StepTracer:
@@ -68,66 +74,59 @@ class StepTracer:
     def enabled(self) -> bool:
         return self.tracing.enabled
 
-    def start(self, batch: ForwardBatch, traces: Sequence[RequestTrace]) -> tuple[ForwardBatch, Span | None]:
+    def start(self, batch: ForwardBatch, traces: Sequence[RequestTrace]) -> tuple[ForwardBatch, SpanRecord | None]:
         """The span of a step whose requests' traces are ``traces`` (batch order), and the batch to
         send (a remote engine's carries the span's context). No span when no request is sampled; a
         remote engine then still gets a request's (unsampled) context, so that it samples alike."""
         if not self.tracing.enabled or not traces:
             return batch, None
         head = self._head
-        if head is None or not head.span.is_recording() or not any(t is head for t in traces):
-            head = self._head = next((t for t in traces if t.span.is_recording()), None)
+        if head is None or not head.recording or not any(t is head for t in traces):
+            head = self._head = next((t for t in traces if t.recording), None)
         if head is None:
-            return (batch, None) if self.in_process else (self._with_context(batch, traces[0].span), None)
+            return (batch, None) if self.in_process else (self._with_context(batch, traces[0].context), None)
         others = [t for t in traces if t is not head and t.linkable][:MAX_STEP_LINKS]
-        span = self.tracing.start_span(
-            self._name, trace.set_span_in_context(head.span), SpanKind.CLIENT,
-            [Link(t.span.get_span_context()) for t in others],
+        span = self.tracing.start(
+            self._name, head.context, SpanKind.CLIENT,
             {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank})
-        if not span.is_recording():  # the sampler dropped it: the engine still sees the request's trace
-            return (batch, None) if self.in_process else (self._with_context(batch, head.span), None)
-        step = span.get_span_context()
+             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank},
+            [t.context for t in others])
+        if not span.recording:  # the sampler dropped it: the engine still sees the request's trace
+            return (batch, None) if self.in_process else (self._with_context(batch, head.context), None)
         if head.linkable:
-            head.link_step(step)
+            head.link_step(span.context)
         for t in others:
-            t.link_step(step)
-        return (batch, span) if self.in_process else (self._with_context(batch, span), span)
+            t.link_step(span.context)
+        return (batch, span) if self.in_process else (self._with_context(batch, span.context), span)
 
-    def end(self, span: Span | None, result: ForwardResult, end_time: int | None = None) -> None:
+    def end(self, span: SpanRecord | None, result: ForwardResult, end_time: int | None = None) -> None:
         """End a step's span once its result is in (with the engine in process, with what only the
         engine knows); ``end_time`` in ns since the epoch (None: now)."""
         if span is None:
             return
         if self.in_process:
-            span.set_attributes(forward_attributes(result.cuda_graph_bucket, _batch_size(span)))
-        span.end(end_time)
+            span.attributes.update(forward_attributes(result.cuda_graph_bucket, span.attributes["modeserve.batch_size"]))
+        self.tracing.end(span, end_time)
 
     @staticmethod
-    def _with_context(batch: ForwardBatch, span: Span) -> ForwardBatch:
-        return dataclasses.replace(batch, trace_context=inject(span))
+    def _with_context(batch: ForwardBatch, context: SpanContext) -> ForwardBatch:
+        return dataclasses.replace(batch, trace_context=inject(context))
 
 
-def forward_span(tracing: Tracing, batch: ForwardBatch, dp_rank: int) -> Span | None:
+def forward_span(tracing: Tracing, batch: ForwardBatch, dp_rank: int) -> SpanRecord | None:
     """The engine server's ``modeserve.forward`` span of a step: a child of the router's step span
     that the batch carries (a root span when it carries none); None when tracing is off or the
     sampler drops it."""
     if not tracing.enabled:
         return None
-    span = tracing.start_span(
+    span = tracing.start(
         "modeserve.forward", extract(batch.trace_context) if batch.trace_context else None, SpanKind.SERVER,
-        attributes={"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-                    "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank})
-    return span if span.is_recording() else None
+        {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+         "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank})
+    return span if span.recording else None
 
 
-def end_forward_span(span: Span | None, result: ForwardResult) -> None:
+def end_forward_span(tracing: Tracing, span: SpanRecord | None, result: ForwardResult) -> None:
     if span is not None:
-        span.set_attributes(forward_attributes(result.cuda_graph_bucket, _batch_size(span)))
-        span.end()
-
-
-def _batch_size(span: Span) -> int:
-    """The batch size a step span was started with (the SDK's spans are readable)."""
-    value = (span.attributes or {}).get("modeserve.batch_size") if isinstance(span, ReadableSpan) else None
-    return value if isinstance(value, int) else 0
+        span.attributes.update(forward_attributes(result.cuda_graph_bucket, span.attributes["modeserve.batch_size"]))
+        tracing.end(span)

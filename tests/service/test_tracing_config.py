@@ -16,17 +16,18 @@ from modeserve.service.telemetry.tracing import Tracing
 def test_tracing_off_without_endpoint() -> None:
     tr = Tracing("router", env={})
     assert not tr.enabled
-    assert not tr.start_span("x").get_span_context().is_valid
+    record = tr.start("x")
+    assert not record.context.is_valid and not record.recording
     assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
 
 
 def test_batch_settings_from_env() -> None:
-    from modeserve.service.telemetry.tracing import batch_settings_from_env
+    from modeserve.service.telemetry.otel_env import batch_settings_from_env
 
-    assert batch_settings_from_env({}) == {"schedule_delay_millis": 5000, "max_export_batch_size": 2048,
+    assert batch_settings_from_env({}) == {"schedule_delay_millis": 50, "max_export_batch_size": 512,
                                            "max_queue_size": 8192, "export_timeout_millis": 30000}
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100"}
-    assert batch_settings_from_env(env) == {"schedule_delay_millis": 50, "max_export_batch_size": 100,
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "20", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100", "OTEL_BSP_MAX_QUEUE_SIZE": "400"}
+    assert batch_settings_from_env(env) == {"schedule_delay_millis": 20, "max_export_batch_size": 100,
                                             "max_queue_size": 400, "export_timeout_millis": 30000}
 
 
@@ -34,7 +35,7 @@ def test_resource_and_sampler_from_env() -> None:
     from opentelemetry.sdk.trace import sampling
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.telemetry.tracing import resource_from_env, sampler_from_env
+    from modeserve.service.telemetry.otel_env import resource_from_env, sampler_from_env
 
     env = {"OTEL_SERVICE_NAME": "svc", "POD_NAME": "pod-0", "OTEL_RESOURCE_ATTRIBUTES": "a=1, b = 2,service.name=x,bad"}
     assert dict(resource_from_env("engine", 3, env).attributes) == {
@@ -51,9 +52,15 @@ def test_resource_and_sampler_from_env() -> None:
                                       "OTEL_TRACES_EXPORTER": "none"}).enabled
     exporter = InMemorySpanExporter()
     tracing = Tracing("router", env={}, exporter=exporter)
-    tracing.start_span("at", start_time=1_000).end(2_000)
+    tracing.end(tracing.start("at", start_time=1_000), end_time=2_000)
     (span,) = exporter.get_finished_spans()
     assert (span.start_time, span.end_time) == (1_000, 2_000)
+    ratio_env = {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    ratio_tracing = Tracing("router", env=ratio_env, exporter=InMemorySpanExporter())
+    records = [ratio_tracing.start("r") for _ in range(400)]
+    decide = sampling.TraceIdRatioBased(0.5).should_sample  # the SDK's own decision for each trace id
+    assert [r.sampled for r in records] == [decide(None, r.context.trace_id, "r").decision.is_sampled() for r in records]
+    assert 120 < sum(r.sampled for r in records) < 280
 
 
 def test_engine_reads_the_routers_trace_context() -> None:
@@ -72,32 +79,30 @@ def test_engine_reads_the_routers_trace_context() -> None:
     exporter = InMemorySpanExporter()
     engine = Tracing("engine", 1, env={}, exporter=exporter)
     router = Tracing("router", env={}, exporter=InMemorySpanExporter())
-    step = router.start_span("modeserve.step")
-    ctx = step.get_span_context()
-    carried = lambda carrier: trace.get_current_span(extract(carrier)).get_span_context()  # noqa: E731
-    assert carried(inject(step)) == trace.SpanContext(ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
-    upper = {"traceparent": inject(step)["traceparent"].upper().replace("X", "x")}
-    assert not carried(upper).is_valid  # version 00 is lower case: invalid, as the propagator says
-    with_state = {**inject(step), "tracestate": "vendor=x"}
-    assert carried(with_state).trace_state == trace.TraceState([("vendor", "x")])
-    assert not carried({}).is_valid and not carried({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}).is_valid
+    ctx = router.start("modeserve.step").context
+    assert extract(inject(ctx)) == trace.SpanContext(ctx.trace_id, ctx.span_id, True, ctx.trace_flags)
+    upper = {"traceparent": inject(ctx)["traceparent"].upper().replace("X", "x")}
+    assert extract(upper) is None  # version 00 is lower case: invalid, as the propagator says
+    with_state = {**inject(ctx), "tracestate": "vendor=x"}
+    assert extract(with_state).trace_state == trace.TraceState([("vendor", "x")])  # type: ignore[union-attr]
+    assert extract({}) is None and extract({"traceparent": "00-" + "0" * 32 + "-" + "1" * 16 + "-01"}) is None
     ids = np.arange(4, dtype=np.int64)
     decode = ForwardBatch(ForwardMode.DECODE, ids, ids, np.ones(4, dtype=np.int64), np.ones(4, dtype=bool), ids, ids,
                           ids)
     span = forward_span(engine, dataclasses.replace(decode, trace_context=with_state), 1)
     assert span is not None
-    end_forward_span(span, ForwardResult(ids, cuda_graph_bucket=8))
-    unsampled = {"traceparent": inject(step)["traceparent"][:-2] + "00"}
+    end_forward_span(engine, span, ForwardResult(ids, cuda_graph_bucket=8))
+    unsampled = {"traceparent": inject(ctx)["traceparent"][:-2] + "00"}
     assert forward_span(engine, dataclasses.replace(decode, trace_context=unsampled), 1) is None
     root = forward_span(engine, ForwardBatch.idle(), 1)
     assert root is not None
-    end_forward_span(root, ForwardResult(ids[:0]))
+    end_forward_span(engine, root, ForwardResult(ids[:0]))
     invalid = forward_span(engine, dataclasses.replace(decode, trace_context=upper), 1)
-    assert invalid is not None and invalid.parent is None  # type: ignore[attr-defined]
-    invalid.end()
+    assert invalid is not None and invalid.parent is None
+    engine.end(invalid)
     assert forward_span(Tracing("engine", 1, env={}), decode, 1) is None  # tracing off
     (forward, alone, _) = exporter.get_finished_spans()
-    assert forward.parent == carried(with_state) and forward.context.trace_id == ctx.trace_id
+    assert forward.parent == extract(with_state) and forward.context.trace_id == ctx.trace_id
     assert forward.context.trace_state == trace.TraceState([("vendor", "x")])
     assert forward.kind == trace.SpanKind.SERVER and forward.context.trace_flags.sampled
     assert dict(forward.attributes) == {"modeserve.forward_mode": "DECODE", "modeserve.batch_size": 4,

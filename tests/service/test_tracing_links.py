@@ -33,7 +33,7 @@ def _generate(loop: Any, tracing: Tracing, prompts: list[list[int]], max_new_tok
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     handles = [RequestHandle(loop.scheduler.make_request(f"r{i}", p, sp),
-                             trace=RequestTrace(tracing.start_span(f"text_completion r{i}")))
+                             trace=RequestTrace(tracing, tracing.start(f"text_completion r{i}")))
                for i, p in enumerate(prompts)]
     for h in handles:
         loop.submit(h)
@@ -41,9 +41,8 @@ def _generate(loop: Any, tracing: Tracing, prompts: list[list[int]], max_new_tok
     for h in handles:
         while h.updates.get(timeout=60).finish_reason is None:
             pass
-        h.trace.finish()
-        h.trace.span.end()
-    return [h.trace.span for h in handles]
+        h.trace.end()
+    return [h.trace for h in handles]
 
 
 def test_requests_and_their_first_steps_link_each_other(tiny_model: Path) -> None:
@@ -88,7 +87,7 @@ def test_unsampled_requests_make_no_step_spans(tiny_model: Path) -> None:
         spans = _generate(loop, tracing, [[3, 4, 5]], max_new_tokens=4)
     finally:
         loop.stop()
-    assert not spans[0].is_recording() and not exporter.get_finished_spans()
+    assert not spans[0].context.trace_flags.sampled and not exporter.get_finished_spans()
 
 
 def test_cancelled_request_keeps_its_step_links(tiny_model: Path) -> None:
