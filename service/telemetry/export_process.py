@@ -1,19 +1,23 @@
-"""``ExportProcess``: ended span records go, in batches over a pipe, to a child process that makes
-them SDK spans and exports them over OTLP/gRPC (the SDK's exporter under its batch processor).
+"""``ExportProcess``: ended span records go, pickled in batches over a pipe, to a child process
+(``python -m modeserve.service.telemetry.export_process``) that makes them SDK spans and exports them
+over OTLP/gRPC (the SDK's exporter under its batch processor).
 
 Making an SDK span and encoding it for OTLP costs tens of microseconds of interpreter time each;
 in the serving process that time, and the GIL it holds, would be taken from the step loop (a 1B
 model's decode step is about a millisecond). The serving process only pickles small records, a batch
-at a time. The child ends when the pipe closes (its parent stopped, or was killed).
+at a time. The child is a plain subprocess (not ``multiprocessing``'s spawn, which would import the
+parent's main script again) and ends when its stdin closes: its parent stopped, or was killed.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
 import threading
-from multiprocessing.connection import Connection
-from typing import Mapping
+from typing import IO, Mapping
 
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -27,19 +31,22 @@ SEND_INTERVAL = 0.1
 _FLUSH = "flush"
 
 
-def _export(conn: Connection, component: str, dp_rank: int | None, env: dict[str, str]) -> None:
-    """The child: make and export what arrives; at a flush request, export all and reply."""
+def export(inbox: IO[bytes], replies: IO[bytes], component: str, dp_rank: int | None,
+           env: Mapping[str, str]) -> None:
+    """The child: make and export the record batches read from ``inbox``; at a flush request,
+    export all, then write a byte to ``replies``."""
     sink = SdkSink(resource_from_env(component, dp_rank, env),
                    BatchSpanProcessor(otlp_exporter_from_env(env), **batch_settings_from_env(env)))
     try:
         while True:
             try:
-                msg = conn.recv()
+                msg = pickle.load(inbox)
             except EOFError:
                 break
             if msg == _FLUSH:
                 sink.flush()
-                conn.send(_FLUSH)
+                replies.write(b"\n")
+                replies.flush()
                 continue
             for record in msg:
                 sink.emit(record)
@@ -52,17 +59,20 @@ class ExportProcess:
     everything emitted before it."""
 
     def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str]) -> None:
-        ctx = multiprocessing.get_context("spawn")  # not fork: the parent has CUDA and gRPC threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_export, args=(child, component, dp_rank, dict(env)),
-                                 name=f"modeserve-{component}-otlp", daemon=True)
-        self._proc.start()
-        child.close()
+        rank = "" if dp_rank is None else str(dp_rank)
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, component, rank], env=dict(env),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._out, self._replies = self._proc.stdin, self._proc.stdout
         self._lock = threading.Lock()  # the pending batch and the pipe
         self._pending: list[SpanRecord] = []
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_stale, name="otlp-records", daemon=True)
         self._sender.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def emit(self, record: SpanRecord) -> None:
         with self._lock:
@@ -70,13 +80,21 @@ class ExportProcess:
             if len(self._pending) >= SEND_BATCH:
                 self._send_locked()
 
-    def _send_locked(self) -> None:
+    def _send_locked(self, msg: object = None) -> bool:
         batch, self._pending = self._pending, []
-        if batch and not self._closed.is_set():
-            try:
-                self._conn.send(batch)
-            except (BrokenPipeError, OSError):  # the child is gone: spans are lost, serving goes on
-                logger.warning("the span export process is gone; %d spans dropped", len(batch))
+        if self._closed.is_set():
+            return False
+        try:
+            if batch:
+                pickle.dump(batch, self._out, pickle.HIGHEST_PROTOCOL)
+            if msg is not None:
+                pickle.dump(msg, self._out, pickle.HIGHEST_PROTOCOL)
+            self._out.flush()
+            return True
+        except (OSError, ValueError):  # the child is gone: spans are lost, serving goes on
+            logger.warning("the span export process is gone; %d spans dropped", len(batch))
+            self._closed.set()
+            return False
 
     def _send_stale(self) -> None:
         while not self._closed.wait(SEND_INTERVAL):
@@ -86,19 +104,23 @@ class ExportProcess:
 
     def flush(self) -> None:
         with self._lock:
-            self._send_locked()
-            if self._closed.is_set() or not self._proc.is_alive():
-                return
-            self._conn.send(_FLUSH)
-            self._conn.recv()
+            if self._send_locked(_FLUSH):
+                self._replies.readline()
 
     def shutdown(self) -> None:
         """Send what is pending, let the child export it and end."""
         with self._lock:
             self._send_locked()
             self._closed.set()
-            self._conn.close()
+            self._out.close()
         self._sender.join(timeout=5)
-        self._proc.join(timeout=30)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
+            self._proc.wait()
+        self._replies.close()
+
+
+if __name__ == "__main__":
+    export(sys.stdin.buffer, sys.stdout.buffer, sys.argv[1], int(sys.argv[2]) if sys.argv[2] else None, os.environ)

@@ -1,0 +1,90 @@
+"""The export process against a real OTLP/gRPC receiver: the spans it makes from records keep their
+ids, parent, links, times, attributes and status; a flush returns once they are exported; the child
+ends when its parent's pipe closes (the parent killed), and a child gone costs the parent nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from opentelemetry.trace import SpanKind
+
+from modeserve.service.telemetry.export_process import ExportProcess
+from modeserve.service.telemetry.tracing import Tracing
+from tests.service.test_tracing import Receiver, attrs, receiver  # noqa: F401  (the receiver fixture)
+
+
+def test_records_become_the_spans_the_receiver_gets(receiver: Receiver) -> None:
+    tracing = Tracing("router", 4)  # the fixture's OTEL_* variables: OTLP to the receiver
+    request = tracing.start("text_completion m", None, SpanKind.SERVER, {"gen_ai.request.max_tokens": 8})
+    step = tracing.start("modeserve.step", request.context, SpanKind.CLIENT, {"modeserve.batch_size": 1},
+                         [request.context], start_time=1_000_000)
+    request.links.append(step.context)
+    tracing.end(step, end_time=3_000_000)
+    request.set_error("client went away")
+    tracing.end(request)
+    tracing.flush()  # returns once the child has exported both
+    got = {s.name: (res, s) for res, s in receiver.spans}
+    assert set(got) == {"text_completion m", "modeserve.step"}
+    (res, req), (_, st) = got["text_completion m"], got["modeserve.step"]
+    assert req.span_id == request.context.span_id.to_bytes(8, "big") and not req.parent_span_id
+    assert req.trace_id == st.trace_id == request.context.trace_id.to_bytes(16, "big")
+    assert st.span_id == step.context.span_id.to_bytes(8, "big") and st.parent_span_id == req.span_id
+    assert (st.start_time_unix_nano, st.end_time_unix_nano) == (1_000_000, 3_000_000)
+    assert [bytes(link.span_id) for link in st.links] == [req.span_id]
+    assert [bytes(link.span_id) for link in req.links] == [st.span_id]
+    assert attrs(req) == {"gen_ai.request.max_tokens": 8} and attrs(st) == {"modeserve.batch_size": 1}
+    assert req.status.code == 2 and req.status.message == "client went away"  # STATUS_CODE_ERROR
+    assert st.kind == 3 and req.kind == 2  # CLIENT, SERVER
+    assert res["service.name"] == "modeserve-test" and res["modeserve.dp_rank"] == 4
+    tracing.shutdown()
+
+
+def _gone(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # reap it if it is ours
+        except ChildProcessError:
+            pass
+        if not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State:")), "").lower()
+    except FileNotFoundError:
+        return "zombie"
+
+
+def test_child_ends_when_its_parent_is_killed(receiver: Receiver) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from modeserve.service.telemetry.export_process import ExportProcess\n"
+        "sink = ExportProcess('engine', 0, os.environ)\n"
+        "print(sink.pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    assert _gone(child, 20)
+
+
+def test_a_child_gone_costs_the_parent_nothing(receiver: Receiver) -> None:
+    tracing = Tracing("engine", 0)
+    sink = ExportProcess("engine", 0, os.environ)
+    os.kill(sink.pid, signal.SIGKILL)
+    assert _gone(sink.pid, 10)
+    for _ in range(200):
+        sink.emit(tracing.start("modeserve.forward"))  # unsampled or not: a record is a record
+    sink.flush()  # nothing to wait for: returns
+    sink.shutdown()
+    tracing.shutdown()
