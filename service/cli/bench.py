@@ -76,27 +76,26 @@ def add_parser(sub: Any) -> None:
     att = kinds.add_parser("attention", help="decode attention per layer, each backend vs the KV-bytes roofline (GPU)")
     att.add_argument("--backends", nargs="+", default=["flashinfer", "flashinfer-tensor-cores",
                                                         "flashinfer-cuda-cores", "triton"])
-    att.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 64, 256])
-    att.add_argument("--context-len", type=int, default=1024)
-    att.add_argument("--num-heads", type=int, default=32)
-    att.add_argument("--num-kv-heads", type=int, default=8)
-    att.add_argument("--head-dim", type=int, default=128)
-    att.add_argument("--page-size", type=int, default=16)
     att.add_argument("--layers", type=int, default=8, help="layers captured in the timed graph")
-    att.add_argument("--repeats", type=int, default=50)
-    att.add_argument("--dtype", default="bfloat16")
+    _options(att, batch_sizes=[1, 8, 64, 256], context_len=1024, num_heads=32, num_kv_heads=8, head_dim=128,
+             page_size=16, repeats=50, dtype="bfloat16")
     att.set_defaults(func=_json_bench("attention"))
     smp = kinds.add_parser("sampling", help="the sampling step: torch reference vs the fused kernel, vs its bytes (GPU)")
-    smp.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 64, 256])
-    smp.add_argument("--vocab", type=int, default=128256)
-    smp.add_argument("--temperature", type=float, default=0.8)
     smp.add_argument("--top-k", type=int, default=0, help="<= 0: off")
-    smp.add_argument("--top-p", type=float, default=0.95)
-    smp.add_argument("--min-p", type=float, default=0.0)
     smp.add_argument("--logit-scale", type=float, default=4.0, help="standard deviation of the random logits")
-    smp.add_argument("--repeats", type=int, default=20)
-    smp.add_argument("--device", default="cuda")
+    _options(smp, batch_sizes=[1, 64, 256], vocab=128256, temperature=0.8, top_p=0.95, min_p=0.0, repeats=20,
+             device="cuda")
     smp.set_defaults(func=_json_bench("sampling"))
+
+
+def _options(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """``--name`` options of the type of their default (a list default: one or more of its items')."""
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, list):
+            p.add_argument(flag, nargs="+", type=type(default[0]), default=default)
+        else:
+            p.add_argument(flag, type=type(default), default=default)
 
 
 def _gpu_bench_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:

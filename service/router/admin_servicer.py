@@ -11,11 +11,7 @@ ADMIN_SERVICE = "modeserve.v1.Admin"
 
 
 def ranks_to_proto(table: RankTable) -> admin_pb2.RanksStatus:
-    return admin_pb2.RanksStatus(ranks=[
-        admin_pb2.RankStatus(rank=s.rank, address=s.address, state=admin_pb2.RankState.Value(f"RANK_STATE_{s.state.name}"), requests=s.requests,
-                             load_tokens=s.load_tokens, prefix_hit_tokens=s.prefix_hit_tokens, error=s.error)
-        for s in table.status()
-    ])
+    return admin_pb2.RanksStatus(ranks=table.status())
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

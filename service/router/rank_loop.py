@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
@@ -43,12 +43,12 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class RankSnapshot:
-    """A rank's state after its last step, for dispatch and /metrics (read without any lock)."""
+    """A rank's state after its last step (read without any lock): what /metrics scrapes (queue,
+    running, KV use), and what dispatch weighs: the prompt + generated tokens of the requests queued
+    or running, and the prompt tokens served from the prefix cache so far."""
 
-    load_tokens: int = 0  # prompt + generated tokens of the requests queued or running
-    queued: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
+    sample: RankSample
+    load_tokens: int = 0
     prefix_hit_tokens: int = 0
 
 
@@ -64,16 +64,11 @@ class RankLoop:
                  max_queued_requests: int = 1024, tracer: StepTracer | None = None, post: Post | None = None,
                  on_failure: Callable[[RankLoop, list[RequestHandle]], None] | None = None,
                  close: Callable[[], None] | None = None) -> None:
-        self.name = name
-        self.scheduler = scheduler
-        self.policy = policy
+        self.name, self.scheduler, self.policy = name, scheduler, policy
         self.max_queued_requests = max_queued_requests
-        self.tracer = tracer
-        self.post = post
-        self.on_failure = on_failure
-        self._close = close
+        self.tracer, self.post, self.on_failure, self._close = tracer, post, on_failure, close
         self.error: str | None = None
-        self.snapshot = RankSnapshot()
+        self.snapshot = RankSnapshot(RankSample(name, scheduler.stats))
         self.prefix = PrefixIndex(scheduler.kv.page_size, scheduler.kv.pool.num_total_pages)
         self._lock = threading.Lock()  # guards the inbox and the handles
         self._inbox: list[AddRequest | AbortRequest] = []
@@ -132,9 +127,7 @@ class RankLoop:
         return self._thread.is_alive() and self.error is None
 
     def rank_sample(self, rank: str) -> RankSample:
-        snap = self.snapshot
-        return RankSample(rank, self.scheduler.stats, queued=snap.queued, running=snap.running,
-                          kv_usage=snap.kv_usage)
+        return replace(self.snapshot.sample, rank=rank)
 
     def stop(self) -> None:
         """Finish the steps in flight, then end the thread and the executor."""
@@ -219,10 +212,10 @@ class RankLoop:
         sched = self.scheduler
         kv = sched.kv
         idle_pages = kv.pool.num_free_pages + (kv.cache.num_evictable_pages if kv.cache is not None else 0)
+        sample = RankSample(self.name, sched.stats, queued=len(sched.waiting), running=len(sched.running),
+                            kv_usage=1.0 - idle_pages / max(kv.pool.num_total_pages, 1))
         self.snapshot = RankSnapshot(
-            load_tokens=sum(r.fill_len for r in sched.waiting) + sum(r.fill_len for r in sched.running),
-            queued=len(sched.waiting), running=len(sched.running),
-            kv_usage=1.0 - idle_pages / max(kv.pool.num_total_pages, 1),
+            sample, load_tokens=sum(r.fill_len for r in sched.waiting) + sum(r.fill_len for r in sched.running),
             prefix_hit_tokens=sched.stats.num_prefix_hit_tokens)
 
     def _fail(self, error: str) -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ...proto.v1 import admin_pb2
 from .dispatch import Dispatcher
 from .rank_loop import RankLoop
 from .request_handle import Post, RequestHandle, TokenUpdate, send_updates
@@ -46,17 +47,6 @@ class Rank:
     loop: RankLoop | None = None
     error: str = ""
     draining_requested: bool = False
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    rank: int
-    address: str
-    state: RankState
-    requests: int
-    load_tokens: int
-    prefix_hit_tokens: int
-    error: str
 
 
 # connect(rank, address, on_failure) -> a started-ready RankLoop (blocks until the engine serves)
@@ -180,7 +170,8 @@ class RankTable:
     def all_loops(self) -> list[RankLoop]:
         return [r.loop for r in self.ranks() if r.loop is not None]
 
-    def status(self) -> list[RankStatus]:
+    def status(self) -> list[admin_pb2.RankStatus]:
+        """Each rank as the Admin API reports it."""
         out = []
         for r in self.ranks():
             loop = r.loop
@@ -189,7 +180,9 @@ class RankTable:
             if state == RankState.DRAINING and requests == 0:
                 state = RankState.DRAINED  # the watcher closes its stream on its next round
             hits = loop.snapshot.prefix_hit_tokens if loop is not None else 0
-            out.append(RankStatus(r.rank, r.address, state, requests, loop.load_tokens if loop else 0, hits, r.error))
+            out.append(admin_pb2.RankStatus(
+                rank=r.rank, address=r.address, state=admin_pb2.RankState.Value(f"RANK_STATE_{state.name}"),
+                requests=requests, load_tokens=loop.load_tokens if loop else 0, prefix_hit_tokens=hits, error=r.error))
         return out
 
     # ---- watch --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from modeserve.engine.config import SchedulerConfig
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.rpc.client import Completion, GenerateClient
 from modeserve.service.cli.drain import drain
-from modeserve.service.router.rank_table import RankSpec, RankState
+from modeserve.service.router.rank_table import RankSpec
 from modeserve.service.router.app import RouterApp
 from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
@@ -117,7 +117,7 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     assert all(o is not None and o.finish_reason == "length" for o in outs)
     assert [o.token_ids for o in outs if o is not None] == expect  # none lost, none duplicated
     states = {s.rank: s.state for s in app.table.status()}
-    assert states[1] == RankState.GONE and states[0] == states[2] == RankState.READY
+    assert states[1] == admin_pb2.RANK_STATE_GONE and states[0] == states[2] == admin_pb2.RANK_STATE_READY
     assert app.table.ranks()[1].loop is not None and app.table.ranks()[1].loop.error
     # the engine comes back (a restarted pod at the same address): offered again, the rank rejoins
     port = procs[1][1].rsplit(":", 1)[1]
@@ -126,7 +126,7 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     procs.append(revived)
     app.table.set_ranks([RankSpec(i, a) for i, (_, a) in enumerate(procs[:3])])
     deadline = time.time() + 30
-    while app.table.status()[1].state != RankState.READY:
+    while app.table.status()[1].state != admin_pb2.RANK_STATE_READY:
         assert time.time() < deadline
         time.sleep(0.05)
 
@@ -164,7 +164,7 @@ def test_rank_added_at_run_time_takes_traffic(router_over: Callable, tiny_model:
         stub.SetRanks(admin_pb2.SetRanksRequest(ranks=[admin_pb2.RankSpec(rank=0, address=procs[0][1]),
                                                        admin_pb2.RankSpec(rank=1, address=address)]))
         deadline = time.time() + 60
-        while [s.state for s in app.table.status()] != [RankState.READY, RankState.READY]:
+        while [s.state for s in app.table.status()] != [admin_pb2.RANK_STATE_READY, admin_pb2.RANK_STATE_READY]:
             assert time.time() < deadline
             time.sleep(0.05)
         prompts = mixed_prompts(8, COMMON["vocab_size"], seed=25, max_len=20)

@@ -23,7 +23,6 @@ from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.rpc.engine_server import create_engine_server
 from modeserve.service.rpc.grpc_server import GrpcServer
-from modeserve.service.router.rank_table import RankState
 from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.engineset_cluster import (Cluster, WatchEmulator, cluster,  # noqa: F401  (a fixture)
@@ -67,7 +66,7 @@ async def test_router_without_engines_follows_the_engineset(cluster: Cluster, en
     try:
         # both ranks from the status, READY once their engines serve; both take requests
         assert [(s.rank, s.address, s.state) for s in app.table.status()] == [
-            (0, addresses[0], RankState.READY), (1, addresses[1], RankState.READY)]
+            (0, addresses[0], admin_pb2.RANK_STATE_READY), (1, addresses[1], admin_pb2.RANK_STATE_READY)]
         await generate(8, seed=31)
         assert all(n > 0 for n in extends(app).values()) and len(extends(app)) == 2
         loops = app.loops
@@ -82,7 +81,7 @@ async def test_router_without_engines_follows_the_engineset(cluster: Cluster, en
         # rank 1 draining: no new requests go there
         await cluster.publish([status_entry(0, "Ready", address=addresses[0]),
                                status_entry(1, "Draining", address=addresses[1])])
-        await eventually(lambda: app.table.status()[1].state in (RankState.DRAINING, RankState.DRAINED))
+        await eventually(lambda: app.table.status()[1].state in (admin_pb2.RANK_STATE_DRAINING, admin_pb2.RANK_STATE_DRAINED))
         before = extends(app)
         await generate(6, seed=32)
         after = extends(app)
