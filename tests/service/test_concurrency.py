@@ -17,7 +17,8 @@ import pytest
 
 from modeserve.engine import LLM, SamplingParams
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
-from modeserve.service.bench.servers import engine_flags, spawn
+from modeserve.service.bench.servers import spawn
+from modeserve.service.cli.engine_args import engine_flags
 from tests.engine.tiny_models import COMMON
 
 NEW_TOKENS = 32
