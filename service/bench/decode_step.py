@@ -10,7 +10,6 @@ from typing import Any, Generator
 
 from ...engine.llm import LLM
 from ...engine.sampling_params import SamplingParams
-from ..cli.engine_args import engine_flags
 from ..router.rank_loop import RankLoop
 from ..router.rank_policy import FreeRunning
 from ..router.request_handle import RequestHandle, TokenUpdate
@@ -69,7 +68,7 @@ def local_rank(model: str, engine_args: dict[str, Any], max_in_flight: int = 2) 
 
 def remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
     """The address of a ``modeserve engine`` child of ``threads`` torch threads, stopped on close."""
-    engine = EngineProcess(model, engine_flags(engine_args), env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    engine = EngineProcess(model, engine_args, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     try:
         yield engine.address
     finally:

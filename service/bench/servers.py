@@ -10,8 +10,7 @@ import sys
 from typing import Any, Iterator
 
 from ...engine.config import SchedulerConfig
-from ..cli.engine_args import engine_flags
-from ..rpc.engine_process import read_address, stop_process
+from ..rpc.engine_process import engine_flags, read_address, stop_process
 
 
 @contextlib.contextmanager

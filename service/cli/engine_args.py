@@ -52,18 +52,3 @@ def engine_kwargs(args: argparse.Namespace, classes: ConfigClasses = ALL) -> dic
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(model=getattr(args, "model", None), **engine_kwargs(args))
 
-
-def engine_flags(kwargs: dict[str, Any], classes: ConfigClasses = ALL) -> list[str]:
-    """The command-line flags of ``kwargs`` that ``classes`` take (``engine_kwargs``'s inverse), for
-    a child ``modeserve`` process."""
-    names = {f.name for cls in classes for f in dataclasses.fields(cls)} - _SKIP
-    flags = []
-    for name, value in sorted(kwargs.items()):
-        if name not in names:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            flags.append(f"{flag}={value}")
-    return flags

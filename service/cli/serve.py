@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-from .engine_args import add_engine_args, engine_flags, engine_kwargs
+from .engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(sub: Any) -> None:
@@ -55,7 +55,7 @@ def _run_over_engine_process(args: argparse.Namespace) -> int:
     cfg = router_config(args)
     engine_failed = threading.Event()  # ends serve_app's wait, as SIGTERM does
     try:
-        engine = EngineProcess(args.model, engine_flags(engine_kwargs(args)), on_exit=lambda _: engine_failed.set())
+        engine = EngineProcess(args.model, engine_kwargs(args), on_exit=lambda _: engine_failed.set())
     except EngineStartError as exc:  # the engine's own error is on stderr above
         print(f"modeserve: error: {exc}", file=sys.stderr)
         return exc.returncode if exc.returncode > 0 else 1

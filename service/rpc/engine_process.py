@@ -1,19 +1,39 @@
-"""An engine server (``modeserve engine``) as a child process on loopback: started, its address read
-from its ``listening on`` line, stopped with SIGTERM. The child cannot outlive this process, even one
-killed with SIGKILL: its stdin is a pipe only this process holds, and ``--exit-on-stdin-eof`` stops
-it when the pipe closes."""
+"""An engine server (``modeserve engine``) as a child process on loopback: engine args as its flags,
+its address read from its ``listening on`` line, stopped with SIGTERM (the parts serve any
+``modeserve`` child). The engine cannot outlive this process, even one killed with SIGKILL: its
+stdin is a pipe only this process holds, and ``--exit-on-stdin-eof`` stops it when the pipe closes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import selectors
 import signal
 import subprocess
 import sys
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable
+
+from ...engine.config import RunnerConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+
+def engine_flags(engine_args: dict[str, Any],
+                 classes: tuple[type, ...] = (RunnerConfig, SchedulerConfig)) -> list[str]:
+    """The command-line flags of the ``engine_args`` that ``classes`` take (``cli/engine_args.py``'s
+    names: ``page_size=16`` -> ``--page-size=16``, ``enable_mixed=False`` -> ``--no-enable-mixed``)."""
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    flags = []
+    for name, value in sorted(engine_args.items()):
+        if name not in names:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
 
 
 def read_address(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
@@ -49,14 +69,14 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    """``modeserve engine --model MODEL --host 127.0.0.1 --port 0 FLAGS`` of this interpreter, serving
-    once the constructor returns. ``on_exit(code)`` is called (from a watcher thread) if the engine
+    """``modeserve engine --model MODEL --host 127.0.0.1 --port 0`` of this interpreter with
+    ``engine_args`` as flags, serving once the constructor returns. ``on_exit(code)`` is called (from a watcher thread) if the engine
     exits before ``stop``."""
 
-    def __init__(self, model: str | None, flags: Sequence[str] = (), env: dict[str, str] | None = None,
+    def __init__(self, model: str | None, engine_args: dict[str, Any], env: dict[str, str] | None = None,
                  start_timeout: float = 600.0, on_exit: Callable[[int], None] | None = None) -> None:
         argv = [sys.executable, "-m", "modeserve.service.cli", "engine", *(["--model", model] if model else []),
-                "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof", *flags]
+                "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof", *engine_flags(engine_args)]
         # a session of its own: a terminal's Ctrl-C reaches the parent only, which drains, then stops it
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                       start_new_session=True)
