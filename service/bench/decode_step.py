@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import queue
-import subprocess
-import sys
 import time
 from typing import Any, Generator
 
@@ -15,6 +13,7 @@ from ...engine.sampling_params import SamplingParams
 from ..router.rank_loop import RankLoop
 from ..router.rank_policy import FreeRunning
 from ..router.request_handle import RequestHandle, TokenUpdate
+from ..rpc.engine_process import EngineProcess
 from ..telemetry.step_tracing import RequestTrace
 from ..telemetry.tracing import Tracing
 
@@ -67,17 +66,9 @@ def local_rank(model: str, engine_args: dict[str, Any], max_in_flight: int = 2) 
 
 
 def remote_engine(model: str, engine_args: dict[str, Any], threads: int) -> Generator[str, None, None]:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_args.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "engine", "--model", model,
-                             "--host", "127.0.0.1", "--port", "0", *flags], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    """The address of a ``modeserve engine`` child of ``threads`` torch threads, stopped on close."""
+    engine = EngineProcess(model, engine_args, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if "listening on" not in line:
-            raise RuntimeError(f"engine did not start: {line!r}")
-        yield f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+        yield engine.address
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        engine.stop()

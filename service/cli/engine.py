@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from .engine_args import add_engine_args, engine_kwargs
@@ -21,8 +24,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dp-rank", type=int, default=0, help="this engine's data-parallel rank (reported by Describe)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight streams get to finish after SIGTERM")
+    p.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="stop as on SIGTERM when stdin closes (a parent holding the pipe: the engine ends with it)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def exit_on_stdin_eof() -> None:
+    """SIGTERM this process once stdin reaches EOF: the graceful stop once serving, else the default
+    action (exit) while the model still loads."""
+
+    def wait() -> None:
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="stdin-eof", daemon=True).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dp-rank must be >= 0, got {args.dp_rank}")
     if args.grace_period < 0:
         raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+    if args.exit_on_stdin_eof:
+        exit_on_stdin_eof()
     address = grpc_address(args.host, args.port)
     parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
     runner = parts.runner

@@ -51,3 +51,4 @@ def engine_kwargs(args: argparse.Namespace, classes: ConfigClasses = ALL) -> dic
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(model=getattr(args, "model", None), **engine_kwargs(args))
+

@@ -4,6 +4,7 @@ service over remote engine servers, one scheduler (and one Forward stream) per e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ...engine.config import SchedulerConfig
@@ -55,11 +56,17 @@ def engineset_watch(name: str, namespace: str | None) -> EngineSetWatch:
     return EngineSetWatch(api_client_from_environment(), namespace, name)
 
 
+def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
+    """The settings ``router`` and ``serve`` share: scheduler flags, ``--overlap``,
+    ``--max-queued-requests``, ``--metrics-port``."""
+    return RemoteRouterConfig(SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), overlap=args.overlap,
+                              max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port)
+
+
 def run(args: argparse.Namespace) -> int:
     watch = engineset_watch(args.engineset, args.namespace) if args.engineset else None
     engines = [e for e in (args.engines or "").split(",") if e]
-    cfg = RemoteRouterConfig(SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), args.overlap,
-                             args.max_queued_requests, args.engine_wait, args.dispatch, args.dp_lockstep,
-                             metrics_port=args.metrics_port)
+    cfg = dataclasses.replace(router_config(args), wait=args.engine_wait, dispatch=args.dispatch,
+                              lockstep=args.dp_lockstep)
     app = start_remote_router(grpc_address(args.host, args.port), engines, args.model, cfg, watch=watch)
     return serve_app(app, "router", args.host, args.grace_period)

@@ -3,6 +3,7 @@ asyncio gRPC server."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -47,10 +48,11 @@ class RouterApp:
         self.tracing.shutdown()
 
 
-def serve_app(app: RouterApp, label: str, host: str, grace: float) -> int:
-    """Announce the bound port (tests and scripts read this line), serve until SIGTERM, drain."""
+def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threading.Event | None = None) -> int:
+    """Announce the bound port (tests and scripts read this line), serve until SIGTERM (or ``stop``
+    is set), drain."""
     print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
-    wait_for_signal(grace)
+    wait_for_signal(grace, stop)
     app.stop(grace)
     return 0
 

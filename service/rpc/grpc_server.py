@@ -79,21 +79,21 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def wait_for_signal(grace: float) -> None:
-    """Block until SIGTERM/SIGINT (the heap of start-up frozen first)."""
+def wait_for_signal(grace: float, stop: threading.Event | None = None) -> None:
+    """Block until SIGTERM/SIGINT, or until ``stop`` is set (the heap of start-up frozen first)."""
     freeze_startup_heap()
-    stop = threading.Event()
+    signalled = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
         logger.info("signal %d: draining (grace %.0fs)", signum, grace)
-        stop.set()
+        signalled.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     # Python runs signal handlers in the main thread, but the kernel may deliver SIGTERM to any thread
     # (gRPC's, torch's); a main thread blocked in an untimed wait is then never woken to run the
     # handler and the process ignores SIGTERM. A timed wait returns to the interpreter, which runs it.
-    while not stop.wait(timeout=0.2):
+    while not signalled.wait(timeout=0.2) and not (stop is not None and stop.is_set()):
         pass
 
 

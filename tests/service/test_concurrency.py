@@ -17,7 +17,8 @@ import pytest
 
 from modeserve.engine import LLM, SamplingParams
 from modeserve.proto.v1 import generate_pb2, generate_pb2_grpc
-from modeserve.service.bench.servers import engine_flags, spawn
+from modeserve.service.bench.servers import spawn
+from modeserve.service.rpc.engine_process import engine_flags
 from tests.engine.tiny_models import COMMON
 
 NEW_TOKENS = 32
@@ -40,20 +41,20 @@ def prompts(count: int) -> list[list[int]]:
     return [[3 + (i * 131 + j * 17 + i // 7) % (v - 3) for j in range(1 + (i * 7) % 16)] for i in range(count)]
 
 
-def reference(model: Path, batch: list[list[int]]) -> list[list[int]]:
+def reference(model: Path, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     llm = LLM(model=str(model), **ENGINE_ARGS)  # type: ignore[arg-type]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=sp)]
 
 
-async def _stream_all(address: str, batch: list[list[int]]) -> list[Outcome]:
+async def _stream_all(address: str, batch: list[list[int]], new_tokens: int) -> list[Outcome]:
     async with grpc.aio.insecure_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = generate_pb2_grpc.GenerateStub(channel)
 
         async def one(i: int, prompt: list[int]) -> Outcome:
             req = generate_pb2.GenerateRequest(request_id=f"c{i}", token_ids=prompt, sampling=generate_pb2.SamplingParams(
-                temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
             out = Outcome("OK")
             try:
                 async for msg in stub.Generate(req):
@@ -67,9 +68,9 @@ async def _stream_all(address: str, batch: list[list[int]]) -> list[Outcome]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
 
 
-def stream_all(address: str, batch: list[list[int]]) -> list[Outcome]:
+def stream_all(address: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[Outcome]:
     """Every prompt as its own stream, all opened at once on one channel."""
-    return asyncio.run(asyncio.wait_for(_stream_all(address, batch), DEADLINE_S))
+    return asyncio.run(asyncio.wait_for(_stream_all(address, batch, new_tokens), DEADLINE_S))
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +93,13 @@ def test_concurrent_streams_all_complete_token_exact(server: str, tiny_model: Pa
 
 
 def test_over_max_queued_requests_the_excess_is_refused_and_the_rest_complete(tiny_model: Path) -> None:
-    limit, count = 200, 600
+    limit, count, new_tokens = 200, 600, 4 * NEW_TOKENS
     batch = prompts(count)
     with spawn("serve", "--model", str(tiny_model), "--max-queued-requests", str(limit),
                *engine_flags(ENGINE_ARGS)) as address:
-        outcomes = stream_all(address, batch)
+        # the client sees a stream end after the server has freed its slot: streams long enough that none
+        # ends while the others still arrive
+        outcomes = stream_all(address, batch, new_tokens)
     codes = Counter(o.code for o in outcomes)
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, dict(codes)
     assert codes["OK"] >= limit and codes["RESOURCE_EXHAUSTED"] > 0, dict(codes)  # the queue filled, then refused
@@ -105,6 +108,6 @@ def test_over_max_queued_requests_the_excess_is_refused_and_the_rest_complete(ti
     if refused_last < first_done:  # no slot came free while requests arrived: exactly the excess was refused
         assert codes == {"OK": limit, "RESOURCE_EXHAUSTED": count - limit}, dict(codes)
     accepted = [i for i, o in enumerate(outcomes) if o.code == "OK"]
-    assert all(outcomes[i].finish_reason == "length" and len(outcomes[i].token_ids) == NEW_TOKENS for i in accepted)
-    expect = reference(tiny_model, [batch[i] for i in accepted])
+    assert all(outcomes[i].finish_reason == "length" and len(outcomes[i].token_ids) == new_tokens for i in accepted)
+    expect = reference(tiny_model, [batch[i] for i in accepted], new_tokens)
     assert [outcomes[i].token_ids for i in accepted] == expect

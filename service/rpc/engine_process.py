@@ -1,0 +1,110 @@
+"""An engine server (``modeserve engine``) as a child process on loopback: engine args as its flags,
+its address read from its ``listening on`` line, stopped with SIGTERM (the parts serve any
+``modeserve`` child). The engine cannot outlive this process, even one killed with SIGKILL: its
+stdin is a pipe only this process holds, and ``--exit-on-stdin-eof`` stops it when the pipe closes."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+from ...engine.config import RunnerConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def engine_flags(engine_args: dict[str, Any],
+                 classes: tuple[type, ...] = (RunnerConfig, SchedulerConfig)) -> list[str]:
+    """The command-line flags of the ``engine_args`` that ``classes`` take (``cli/engine_args.py``'s
+    names: ``page_size=16`` -> ``--page-size=16``, ``enable_mixed=False`` -> ``--no-enable-mixed``)."""
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    flags = []
+    for name, value in sorted(engine_args.items()):
+        if name not in names:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags.append(f"{flag}={value}")
+    return flags
+
+
+def read_address(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
+    """``127.0.0.1:PORT`` from a ``modeserve`` child's first stdout line (``... listening on HOST:PORT``);
+    a child that exits, or prints nothing within ``timeout`` seconds, is a RuntimeError."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        line = proc.stdout.readline() if sel.select(timeout) else ""
+    if "listening on" not in line:
+        raise RuntimeError(f"modeserve {label} did not start (exit {proc.poll()}): {line!r}")
+    return f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+
+
+def stop_process(proc: subprocess.Popen[str], grace: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL if it is still there after ``grace`` seconds; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited before listening (its own error is on stderr), or was stopped for not
+    listening in time; ``returncode``: its exit code."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+class EngineProcess:
+    """``modeserve engine --model MODEL --host 127.0.0.1 --port 0`` of this interpreter with
+    ``engine_args`` as flags, serving once the constructor returns. ``on_exit(code)`` is called (from a watcher thread) if the engine
+    exits before ``stop``."""
+
+    def __init__(self, model: str | None, engine_args: dict[str, Any], env: dict[str, str] | None = None,
+                 start_timeout: float = 600.0, on_exit: Callable[[int], None] | None = None) -> None:
+        argv = [sys.executable, "-m", "modeserve.service.cli", "engine", *(["--model", model] if model else []),
+                "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof", *engine_flags(engine_args)]
+        # a session of its own: a terminal's Ctrl-C reaches the parent only, which drains, then stops it
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                      start_new_session=True)
+        self._stopping = False
+        try:
+            self.address = read_address(self._proc, "engine", start_timeout)
+        except BaseException as exc:
+            code = self.stop(5.0)
+            if isinstance(exc, RuntimeError):
+                raise EngineStartError(f"modeserve engine did not start (exit {code})", code) from exc
+            raise
+        self._watcher = threading.Thread(target=self._watch, args=(on_exit,), name="engine-process", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, on_exit: Callable[[int], None] | None) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:  # drained, so that the engine never blocks on a full pipe
+            sys.stderr.write(line)
+        code = self._proc.wait()
+        if not self._stopping:
+            logger.error("engine process %d exited unexpectedly (code %d)", self._proc.pid, code)
+            if on_exit is not None:
+                on_exit(code)
+
+    def stop(self, grace: float = 30.0) -> int:
+        """SIGTERM: the engine finishes its streams within ``grace`` seconds (then SIGKILL); the exit code."""
+        self._stopping = True
+        code = stop_process(self._proc, grace)
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        return code
