@@ -152,8 +152,9 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
 
 
 def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_model: Path, tmp_path: Path) -> None:
-    """``modeserve serve`` as a subprocess with OTEL_EXPORTER_OTLP_ENDPOINT: the client's span is the
-    parent of the request span, whose step spans carry their modes; /metrics scraped while requests
+    """``modeserve serve`` as a subprocess with OTEL_EXPORTER_OTLP_ENDPOINT (its engine a process of
+    its own): the client's span is the parent of the request span, under which are the router's step
+    spans, under which are the engine's forward spans, labelled by their modes; /metrics scraped while requests
     run, and after, matches the per-mode statistics ModelInfo reports. (Once, on an overloaded
     machine, the process had not exited 30 s after SIGTERM; a process that hangs now leaves every
     thread's stack in the failure.)"""
@@ -225,7 +226,9 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     mine = [s for _, s in receiver.spans if s.trace_id == trace_id]
     request = next(s for s in mine if s.name.startswith("text_completion"))
     assert request.parent_span_id == client_span.get_span_context().span_id.to_bytes(8, "big")
-    forwards = [s for s in mine if s.name == "modeserve.forward"]  # serve: the engine is in-process
+    steps = [s for s in mine if s.name == "modeserve.step"]  # the router's, under the request span
+    forwards = [s for s in mine if s.name == "modeserve.forward"]  # the engine process's, under the steps
     modes = [attrs(s)["modeserve.forward_mode"] for s in forwards]
     assert modes.count("EXTEND") == info["EXTEND"] and modes.count("DECODE") == info["DECODE"]
-    assert all(s.parent_span_id == request.span_id for s in forwards)
+    assert len(steps) == len(forwards) and all(s.parent_span_id == request.span_id for s in steps)
+    assert {s.parent_span_id for s in forwards} == {s.span_id for s in steps}
