@@ -12,7 +12,6 @@ parent's main script again) and ends when its stdin closes: its parent stopped, 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import subprocess
 import sys
@@ -31,10 +30,11 @@ SEND_INTERVAL = 0.1
 _FLUSH = "flush"
 
 
-def export(inbox: IO[bytes], replies: IO[bytes], component: str, dp_rank: int | None,
-           env: Mapping[str, str]) -> None:
-    """The child: make and export the record batches read from ``inbox``; at a flush request,
-    export all, then write a byte to ``replies``."""
+def export(inbox: IO[bytes], replies: IO[bytes]) -> None:
+    """The child: its settings (component, DP rank, the ``OTEL_*`` mapping) come first on
+    ``inbox``, then record batches to make and export; at a flush request, export all, then write a
+    line to ``replies``."""
+    component, dp_rank, env = pickle.load(inbox)
     sink = SdkSink(resource_from_env(component, dp_rank, env),
                    BatchSpanProcessor(otlp_exporter_from_env(env), **batch_settings_from_env(env)))
     try:
@@ -59,11 +59,12 @@ class ExportProcess:
     everything emitted before it."""
 
     def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str]) -> None:
-        rank = "" if dp_rank is None else str(dp_rank)
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, component, rank], env=dict(env),
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # the process's own environment (how to import this package), the OTEL settings as given
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out, self._replies = self._proc.stdin, self._proc.stdout
+        pickle.dump((component, dp_rank, dict(env)), self._out)
+        self._out.flush()
         self._lock = threading.Lock()  # the pending batch and the pipe
         self._pending: list[SpanRecord] = []
         self._closed = threading.Event()
@@ -104,15 +105,18 @@ class ExportProcess:
 
     def flush(self) -> None:
         with self._lock:
-            if self._send_locked(_FLUSH):
-                self._replies.readline()
+            if self._send_locked(_FLUSH) and not self._replies.readline():
+                self._closed.set()  # no reply: the child is gone
 
     def shutdown(self) -> None:
         """Send what is pending, let the child export it and end."""
         with self._lock:
             self._send_locked()
             self._closed.set()
-            self._out.close()
+            try:
+                self._out.close()
+            except OSError:  # the child is gone with data unread
+                pass
         self._sender.join(timeout=5)
         try:
             self._proc.wait(timeout=30)
@@ -123,4 +127,4 @@ class ExportProcess:
 
 
 if __name__ == "__main__":
-    export(sys.stdin.buffer, sys.stdout.buffer, sys.argv[1], int(sys.argv[2]) if sys.argv[2] else None, os.environ)
+    export(sys.stdin.buffer, sys.stdout.buffer)

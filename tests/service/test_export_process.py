@@ -88,3 +88,16 @@ def test_a_child_gone_costs_the_parent_nothing(receiver: Receiver) -> None:
     sink.flush()  # nothing to wait for: returns
     sink.shutdown()
     tracing.shutdown()
+
+
+def test_settings_come_from_the_mapping_given(receiver: Receiver) -> None:
+    """The child runs in the process's environment but reads OTEL_* from the mapping the serving
+    side was given (the bench passes a mapping of its own)."""
+    mapping = {"OTEL_EXPORTER_OTLP_ENDPOINT": os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"],
+               "OTEL_SERVICE_NAME": "from-the-mapping"}
+    tracing = Tracing("engine", 1, env=mapping)
+    tracing.end(tracing.start("modeserve.forward"))
+    tracing.flush()
+    ((resource, span),) = receiver.spans
+    assert span.name == "modeserve.forward" and resource["service.name"] == "from-the-mapping"
+    tracing.shutdown()
