@@ -21,7 +21,7 @@ from typing import IO, Mapping
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .otel_env import batch_settings_from_env, otlp_exporter_from_env, resource_from_env
-from .span_record import SdkSink, SpanRecord
+from .span_record import SdkSink, SpanRecord, Wire, from_wire, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def export(inbox: IO[bytes], replies: IO[bytes]) -> None:
                 replies.flush()
                 continue
             for record in msg:
-                sink.emit(record)
+                sink.emit(from_wire(record))
     finally:
         sink.shutdown()
 
@@ -66,7 +66,7 @@ class ExportProcess:
         pickle.dump((component, dp_rank, dict(env)), self._out)
         self._out.flush()
         self._lock = threading.Lock()  # the pending batch and the pipe
-        self._pending: list[SpanRecord] = []
+        self._pending: list[Wire] = []
         self._closed = threading.Event()
         self._sender = threading.Thread(target=self._send_stale, name="otlp-records", daemon=True)
         self._sender.start()
@@ -77,7 +77,7 @@ class ExportProcess:
 
     def emit(self, record: SpanRecord) -> None:
         with self._lock:
-            self._pending.append(record)
+            self._pending.append(to_wire(record))
             if len(self._pending) >= SEND_BATCH:
                 self._send_locked()
 

@@ -32,6 +32,7 @@ class RequestTrace:
     def __init__(self, tracing: Tracing, record: SpanRecord) -> None:
         self.tracing = tracing
         self.record = record
+        self.linkable = record.recording  # whether the next step links to it (and it to the step)
 
     @property
     def context(self) -> SpanContext:
@@ -45,16 +46,15 @@ class RequestTrace:
     def step_links(self) -> int:
         return len(self.record.links)
 
-    @property
-    def linkable(self) -> bool:
-        """Whether the next step links to it (and it to the step)."""
-        return len(self.record.links) < MAX_STEP_LINKS and self.record.recording
-
     def link_step(self, step: SpanContext) -> None:
-        self.record.links.append(step)
+        links = self.record.links
+        links.append(step)
+        if len(links) >= MAX_STEP_LINKS:
+            self.linkable = False
 
     def end(self, error: str | None = None) -> None:
         """End the span (again: nothing), failed with the status ``error`` when given."""
+        self.linkable = False
         if error is not None:
             self.record.set_error(error)
         self.tracing.end(self.record)
@@ -81,18 +81,16 @@ class StepTracer:
         if not self.tracing.enabled or not traces:
             return batch, None
         head = self._head
-        if head is None or not head.recording or not any(t is head for t in traces):
-            head = self._head = next((t for t in traces if t.recording), None)
+        if head is None or not head.record.recording or head not in traces:
+            head = self._head = next((t for t in traces if t.record.recording), None)
         if head is None:
             return (batch, None) if self.in_process else (self._with_context(batch, traces[0].context), None)
-        others = [t for t in traces if t is not head and t.linkable][:MAX_STEP_LINKS]
-        span = self.tracing.start(
-            self._name, head.context, SpanKind.CLIENT,
+        others = [t for t in traces if t.linkable and t is not head][:MAX_STEP_LINKS]
+        span = self.tracing.start_child(
+            self._name, head.record, SpanKind.CLIENT,
             {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
              "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank},
             [t.context for t in others])
-        if not span.recording:  # the sampler dropped it: the engine still sees the request's trace
-            return (batch, None) if self.in_process else (self._with_context(batch, head.context), None)
         if head.linkable:
             head.link_step(span.context)
         for t in others:

@@ -89,6 +89,16 @@ class Tracing:
             attributes.update(result.attributes)
         return SpanRecord(name, kind, context, parent, start_time, attributes, list(links))
 
+    def start_child(self, name: str, parent: SpanRecord, kind: SpanKind, attributes: dict[str, Any],
+                    links: list[SpanContext]) -> SpanRecord:
+        """A span of this process under ``parent``, a sampled span of this process (the step under its
+        head request), started now: sampled without asking the sampler, since every sampler
+        ``sampler_from_env`` builds keeps it (the parent-based ones by its parent, ``traceidratio``
+        by the trace id its parent was kept for). A step's hot path: no more than a span id drawn."""
+        ctx = parent.context
+        context = SpanContext(ctx.trace_id, self._ids.generate_span_id(), False, ctx.trace_flags, ctx.trace_state)
+        return SpanRecord(name, kind, context, ctx, time.time_ns(), attributes, links)
+
     def end(self, record: SpanRecord, end_time: int | None = None) -> None:
         """End a span (again: nothing); a sampled one is made and exported."""
         if not record.recording:

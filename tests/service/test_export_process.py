@@ -13,7 +13,7 @@ import time
 from opentelemetry.trace import SpanKind
 
 from modeserve.service.telemetry.export_process import ExportProcess
-from modeserve.service.telemetry.tracing import Tracing
+from modeserve.service.telemetry.tracing import Tracing, extract
 from tests.service.test_tracing import Receiver, attrs, receiver  # noqa: F401  (the receiver fixture)
 
 
@@ -26,9 +26,14 @@ def test_records_become_the_spans_the_receiver_gets(receiver: Receiver) -> None:
     tracing.end(step, end_time=3_000_000)
     request.set_error("client went away")
     tracing.end(request)
-    tracing.flush()  # returns once the child has exported both
+    client = extract({"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01", "tracestate": "vendor=x"})
+    tracing.end(tracing.start("text_completion child", client, SpanKind.SERVER))
+    tracing.flush()  # returns once the child has exported all three
     got = {s.name: (res, s) for res, s in receiver.spans}
-    assert set(got) == {"text_completion m", "modeserve.step"}
+    assert set(got) == {"text_completion m", "modeserve.step", "text_completion child"}
+    child = got["text_completion child"][1]
+    assert child.trace_id == bytes.fromhex("ab" * 16) and child.parent_span_id == bytes.fromhex("cd" * 8)
+    assert child.trace_state == "vendor=x"
     (res, req), (_, st) = got["text_completion m"], got["modeserve.step"]
     assert req.span_id == request.context.span_id.to_bytes(8, "big") and not req.parent_span_id
     assert req.trace_id == st.trace_id == request.context.trace_id.to_bytes(16, "big")
