@@ -8,7 +8,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from ...engine.config import EngineConfig, RunnerConfig, SchedulerConfig
+from ...engine.config import RunnerConfig, SchedulerConfig
 
 _SKIP = {"model"}  # given explicitly by each command
 
@@ -47,8 +47,3 @@ def engine_kwargs(args: argparse.Namespace, classes: ConfigClasses = ALL) -> dic
     """The engine flags the user set (unset ones keep the config defaults)."""
     names = {f.name for cls in classes for f in dataclasses.fields(cls)} - _SKIP
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_kwargs(model=getattr(args, "model", None), **engine_kwargs(args))
-
