@@ -168,6 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 traced_runs += 2  # measure_decode: a long run and a short one
             if rep:
                 samples[name].append(us)
+            # each round's figures on stderr as it ends: a run cut short by a time limit still tells
+            print(f"bench tracing round {rep} {name}: {us[0]:.1f} us/step wall, {us[1]:.1f} cpu", file=sys.stderr,
+                  flush=True)
     gc_clock.close()
     loop.stop()
     on.shutdown()
