@@ -149,7 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                for name, t in configs.items()}
     loop.start()
     freeze_startup_heap()  # as a server does once it is up: collections skip the model's objects
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}  # (wall, cpu) us per step
+    # us per decode step: (wall, cpu) from the runs' times; the step loop's own mean DECODE step time
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in configs}
+    stats = loop.scheduler.stats
     spans_created, traced_runs = 0, 0
     gc_clock = _GcClock(configs)
     # Round 0 warms up. The rounds go through the six orders of the three runs in a cycle where, every
@@ -159,18 +161,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(args.repeats + 1):
         for name in orders[(0, 1, 5, 2, 3, 4)[rep % 6]]:
             loop.tracer = tracers[name]  # one engine for all: between runs no step is in flight
-            steps_before = sum(loop.scheduler.stats.mode_counts.values())
+            steps_before = sum(stats.mode_counts.values())
+            decodes_before, decode_seconds_before = stats.mode_counts["DECODE"], stats.mode_seconds["DECODE"]
             gc_clock.current = name if rep else None
             us = measure_decode(loop, args.batch_size, args.prompt_len, args.steps if rep else 8, configs[name])
             gc_clock.current = None
             if configs[name] is not None:  # a span per request, and one per step
-                spans_created += 2 * args.batch_size + sum(loop.scheduler.stats.mode_counts.values()) - steps_before
+                spans_created += 2 * args.batch_size + sum(stats.mode_counts.values()) - steps_before
                 traced_runs += 2  # measure_decode: a long run and a short one
+            loop_us = ((stats.mode_seconds["DECODE"] - decode_seconds_before) * 1e6 /
+                       max(stats.mode_counts["DECODE"] - decodes_before, 1))
             if rep:
-                samples[name].append(us)
+                samples[name].append((*us, loop_us))
             # each round's figures on stderr as it ends: a run cut short by a time limit still tells
-            print(f"bench tracing round {rep} {name}: {us[0]:.1f} us/step wall, {us[1]:.1f} cpu", file=sys.stderr,
-                  flush=True)
+            print(f"bench tracing round {rep} {name}: {us[0]:.1f} us/step wall, {us[1]:.1f} cpu, {loop_us:.1f} loop",
+                  file=sys.stderr, flush=True)
     gc_clock.close()
     loop.stop()
     on.shutdown()
@@ -192,6 +197,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "paired_overhead_ratio": paired("tracing_on", "tracing_off", 0),
             "paired_noise_floor_ratio": paired("tracing_off_again", "tracing_off", 0),
             "cpu_us_per_decode_step": {n: round(median(n, 1), 1) for n in configs},  # all threads
+            # the step loop's own DECODE step times (no prefill, no flush: what tracing adds to a step)
+            "loop_us_per_decode_step": {n: round(median(n, 2), 1) for n in configs},
+            "loop_overhead_ratio": round(median("tracing_on", 2) / median("tracing_off", 2) - 1, 4),
+            "loop_noise_floor_ratio": round(median("tracing_off_again", 2) / median("tracing_off", 2) - 1, 4),
+            "paired_loop_overhead_ratio": paired("tracing_on", "tracing_off", 2),
             "us_min_max": {n: [round(min(x[0] for x in v), 1), round(max(x[0] for x in v), 1)]
                            for n, v in samples.items()},
             "exporter": args.exporter,

@@ -104,6 +104,9 @@ def test_bench_tracing_prints_overhead_json() -> None:
     assert r["spans_received"] == r["spans_created"] > 16  # the spans really reached the OTLP receiver
     assert r["flush_ms_per_run"] > 0
     assert set(r["gc_collections"]) == set(r["gc_ms"]) == {"tracing_off", "tracing_off_again", "tracing_on"}
+    assert set(r["loop_us_per_decode_step"]) == set(r["gc_ms"]) and min(r["loop_us_per_decode_step"].values()) > 0
+    rounds = [line for line in proc.stderr.splitlines() if line.startswith("bench tracing round")]
+    assert len(rounds) == 3 * 2  # the warm-up round and one measured, three runs each, as they ended
     dropped = modeserve("bench", "tracing", "--steps", "16", "--repeats", "1", "--batch-size", "2", "--exporter", "none")
     assert dropped.returncode == 0, dropped.stderr
     d = json.loads(dropped.stdout.strip().splitlines()[-1])
