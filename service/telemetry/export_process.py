@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SEND_BATCH = 64  # records sent together (or fewer, after SEND_INTERVAL seconds)
 SEND_INTERVAL = 0.1
+MAX_PENDING = 65536  # unsent records kept while the child lags
 _FLUSH = "flush"
 
 
@@ -55,20 +56,27 @@ def export(inbox: IO[bytes], replies: IO[bytes]) -> None:
 
 
 class ExportProcess:
-    """The serving side: ``emit`` from any thread; ``flush`` waits until the child has exported
-    everything emitted before it."""
+    """The serving side: ``emit`` from any thread (it only appends: the sender thread writes the
+    pipe, so a slow or stuck child never holds up a step); ``flush`` waits until the child has
+    exported everything emitted before it. Past ``max_pending`` unsent records, new ones are dropped
+    (as the SDK's full queue drops spans)."""
 
-    def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str]) -> None:
+    def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str],
+                 max_pending: int = MAX_PENDING) -> None:
         # the process's own environment (how to import this package), the OTEL settings as given
         self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out, self._replies = self._proc.stdin, self._proc.stdout
         pickle.dump((component, dp_rank, dict(env)), self._out)
         self._out.flush()
-        self._lock = threading.Lock()  # the pending batch and the pipe
+        self._lock = threading.Lock()  # the pending records
+        self._pipe = threading.Lock()  # the pipe: the sender's batches and a flush's request
         self._pending: list[Wire] = []
+        self._max_pending = max_pending
+        self.dropped = 0
+        self._ready = threading.Event()  # a batch is full
         self._closed = threading.Event()
-        self._sender = threading.Thread(target=self._send_stale, name="otlp-records", daemon=True)
+        self._sender = threading.Thread(target=self._send, name="otlp-records", daemon=True)
         self._sender.start()
 
     @property
@@ -77,12 +85,17 @@ class ExportProcess:
 
     def emit(self, record: SpanRecord) -> None:
         with self._lock:
+            if len(self._pending) >= self._max_pending:
+                self.dropped += 1
+                return
             self._pending.append(to_wire(record))
-            if len(self._pending) >= SEND_BATCH:
-                self._send_locked()
+            if len(self._pending) == SEND_BATCH:
+                self._ready.set()
 
-    def _send_locked(self, msg: object = None) -> bool:
-        batch, self._pending = self._pending, []
+    def _write(self, msg: object | None = None) -> bool:
+        """Send the pending records (then ``msg``); False once the child is gone. Holds ``_pipe``."""
+        with self._lock:
+            batch, self._pending = self._pending, []
         if self._closed.is_set():
             return False
         try:
@@ -97,22 +110,25 @@ class ExportProcess:
             self._closed.set()
             return False
 
-    def _send_stale(self) -> None:
-        while not self._closed.wait(SEND_INTERVAL):
+    def _send(self) -> None:
+        while not self._closed.is_set():
+            self._ready.wait(SEND_INTERVAL)
+            self._ready.clear()
             if self._pending:
-                with self._lock:
-                    self._send_locked()
+                with self._pipe:
+                    self._write()
 
     def flush(self) -> None:
-        with self._lock:
-            if self._send_locked(_FLUSH) and not self._replies.readline():
+        with self._pipe:
+            if self._write(_FLUSH) and not self._replies.readline():
                 self._closed.set()  # no reply: the child is gone
 
     def shutdown(self) -> None:
         """Send what is pending, let the child export it and end."""
-        with self._lock:
-            self._send_locked()
+        with self._pipe:
+            self._write()
             self._closed.set()
+            self._ready.set()
             try:
                 self._out.close()
             except OSError:  # the child is gone with data unread

@@ -106,3 +106,28 @@ def test_settings_come_from_the_mapping_given(receiver: Receiver) -> None:
     ((resource, span),) = receiver.spans
     assert span.name == "modeserve.forward" and resource["service.name"] == "from-the-mapping"
     tracing.shutdown()
+
+
+def test_a_stuck_child_never_holds_up_the_serving_side(receiver: Receiver) -> None:
+    """The child stopped (SIGSTOP): its pipe fills, the sender thread waits on it, and ``emit`` goes
+    on appending until ``max_pending`` records wait, then drops; after SIGCONT every record kept is
+    exported."""
+    import threading
+
+    tracing = Tracing("engine", 0)
+    sink = ExportProcess("engine", 0, os.environ, max_pending=500)
+    os.kill(sink.pid, signal.SIGSTOP)
+    total = 5000
+    emitter = threading.Thread(target=lambda: [sink.emit(tracing.start("modeserve.forward")) for _ in range(total)])
+    emitter.start()
+    emitter.join(60)
+    assert not emitter.is_alive()  # every emit returned while the child could read nothing
+    assert 0 < sink.dropped < total - 500
+    os.kill(sink.pid, signal.SIGCONT)
+    sink.flush()
+    deadline = time.time() + 30
+    while len(receiver.spans) < total - sink.dropped and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(receiver.spans) == total - sink.dropped
+    sink.shutdown()
+    tracing.shutdown()
