@@ -14,6 +14,10 @@ how many drafts were kept, and ``tokens[:, :accepted + 1]`` is what the request 
 - One-hot drafts (``draft_probs`` None: n-gram) are the case q = one-hot(d): keeping d with
   probability p(d), and otherwise drawing from p without d, is what "the target's own seeded
   Gumbel-max draw equals d" does. So the output is token for token the non-speculative sampler's.
+
+These are torch references: the noise is materialised as [B, k + 1, V] (at a 128k vocabulary and
+batch 64, k = 4, about 160 MB a step). A fused kernel, as ``kernels.sampling`` has for the plain
+draw, must match them.
 """
 
 from __future__ import annotations
