@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...kernels.sampling import GOLDEN32, gumbel_noise, hash32, row_keys
+from ...kernels.sampling import gumbel_noise, hash32, row_keys
 
 ACCEPT_SALT = 0x27D4EB2F  # the acceptance test's uniform draws, apart from the Gumbel noise's
 
@@ -51,7 +51,7 @@ def _gumbel(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
 def _uniform(seeds: Tensor, positions: Tensor) -> Tensor:
     """[B, P] -> [B, P] uniform in (0, 1), keyed by (seed, position), independent of the Gumbel noise."""
     keys = row_keys(seeds.repeat_interleave(positions.shape[1]), positions.reshape(-1))
-    x = hash32(keys ^ hash32(torch.full_like(keys, ACCEPT_SALT) * GOLDEN32))
+    x = hash32(keys ^ ACCEPT_SALT)
     return (((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).reshape(positions.shape)
 
 

@@ -84,11 +84,12 @@ class ExportProcess:
         return self._proc.pid
 
     def emit(self, record: SpanRecord) -> None:
+        wire = to_wire(record)
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 self.dropped += 1
                 return
-            self._pending.append(to_wire(record))
+            self._pending.append(wire)
             if len(self._pending) == SEND_BATCH:
                 self._ready.set()
 

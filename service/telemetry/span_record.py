@@ -44,7 +44,7 @@ class SpanRecord:
     @property
     def recording(self) -> bool:
         """Sampled and not yet ended: attributes and links still count."""
-        return self.end_time == 0 and self.context.trace_flags.sampled
+        return self.end_time == 0 and self.sampled
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
         if self.recording:

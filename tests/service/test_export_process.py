@@ -14,6 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from modeserve.service.telemetry.export_process import ExportProcess
 from modeserve.service.telemetry.tracing import Tracing, extract
+from tests.service.test_serve_engine_process import wait_gone
 from tests.service.test_tracing import Receiver, attrs, receiver  # noqa: F401  (the receiver fixture)
 
 
@@ -48,27 +49,6 @@ def test_records_become_the_spans_the_receiver_gets(receiver: Receiver) -> None:
     tracing.shutdown()
 
 
-def _gone(pid: int, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)  # reap it if it is ours
-        except ChildProcessError:
-            pass
-        if not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((line for line in f if line.startswith("State:")), "").lower()
-    except FileNotFoundError:
-        return "zombie"
-
-
 def test_child_ends_when_its_parent_is_killed(receiver: Receiver) -> None:
     parent = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
@@ -80,14 +60,14 @@ def test_child_ends_when_its_parent_is_killed(receiver: Receiver) -> None:
     child = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=10)
-    assert _gone(child, 20)
+    assert wait_gone(child, 20)
 
 
 def test_a_child_gone_costs_the_parent_nothing(receiver: Receiver) -> None:
     tracing = Tracing("engine", 0)
     sink = ExportProcess("engine", 0, os.environ)
     os.kill(sink.pid, signal.SIGKILL)
-    assert _gone(sink.pid, 10)
+    assert wait_gone(sink.pid, 10)
     for _ in range(200):
         sink.emit(tracing.start("modeserve.forward"))  # unsampled or not: a record is a record
     sink.flush()  # nothing to wait for: returns
