@@ -7,7 +7,8 @@ import logging
 import sys
 
 from ..rpc import client
-from . import bench, drain, engine, generate, operator, router, serve
+from ..bench import cli as bench
+from . import drain, engine, generate, operator, router, serve
 
 
 def build_parser() -> argparse.ArgumentParser:

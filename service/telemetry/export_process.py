@@ -18,9 +18,10 @@ import sys
 import threading
 from typing import IO, Mapping
 
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from .otel_env import batch_settings_from_env, otlp_exporter_from_env, resource_from_env
+from .otel_env import export_environment, process_resource
 from .span_record import SdkSink, SpanRecord, Wire, from_wire, to_wire
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,10 @@ MAX_PENDING = 65536  # unsent records kept while the child lags
 _FLUSH = "flush"
 
 
-def export(inbox: IO[bytes], replies: IO[bytes]) -> None:
-    """The child: its settings (component, DP rank, the ``OTEL_*`` mapping) come first on
-    ``inbox``, then record batches to make and export; at a flush request, export all, then write a
-    line to ``replies``."""
-    component, dp_rank, env = pickle.load(inbox)
-    sink = SdkSink(resource_from_env(component, dp_rank, env),
-                   BatchSpanProcessor(otlp_exporter_from_env(env), **batch_settings_from_env(env)))
+def export(component: str, dp_rank: int | None, inbox: IO[bytes], replies: IO[bytes]) -> None:
+    """The child: record batches to make and export come on ``inbox`` (the SDK reads its settings
+    from the environment); at a flush request, export all, then write a line to ``replies``."""
+    sink = SdkSink(process_resource(component, dp_rank), BatchSpanProcessor(OTLPSpanExporter()))
     try:
         while True:
             try:
@@ -63,12 +61,11 @@ class ExportProcess:
 
     def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str],
                  max_pending: int = MAX_PENDING) -> None:
-        # the process's own environment (how to import this package), the OTEL settings as given
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        rank = [] if dp_rank is None else [str(dp_rank)]
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, component, *rank], env=export_environment(env),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out, self._replies = self._proc.stdin, self._proc.stdout
-        pickle.dump((component, dp_rank, dict(env)), self._out)
-        self._out.flush()
         self._lock = threading.Lock()  # the pending records
         self._pipe = threading.Lock()  # the pipe: the sender's batches and a flush's request
         self._pending: list[Wire] = []
@@ -144,4 +141,4 @@ class ExportProcess:
 
 
 if __name__ == "__main__":
-    export(sys.stdin.buffer, sys.stdout.buffer)
+    export(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None, sys.stdin.buffer, sys.stdout.buffer)

@@ -1,14 +1,20 @@
-"""The standard ``OTEL_*`` variables, read from a mapping given (the process environment by default,
-nothing else): whether tracing is on, the sampler, the batch processor's settings, the resource and
-the OTLP/gRPC exporter."""
+"""The standard ``OTEL_*`` variables: the parts the serving process reads itself, from a mapping
+given (the process environment by default) — whether tracing is on and the sampler — and the
+environment of the export process, where the SDK reads the rest (the OTLP exporter's endpoint,
+headers and certificates, the batch processor, the resource)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import os
+from typing import Mapping
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import sampling
+
+# The export process's batch processor, unless set: it exports every 50 ms (it has a core of its own,
+# so exporting often costs the engine nothing and little waits at a flush), and its queue holds 8192
+# spans, so a slow collector does not make it drop spans at once.
+BATCH_DEFAULTS = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_BSP_MAX_QUEUE_SIZE": "8192"}
 
 
 def sampler_from_env(env: Mapping[str, str]) -> sampling.Sampler:
@@ -27,39 +33,26 @@ def sampler_from_env(env: Mapping[str, str]) -> sampling.Sampler:
     return table[name]
 
 
-def batch_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    """``OTEL_BSP_*`` for the export process: by default it exports every 50 ms (or 512 spans), so
-    that little waits at a flush (it has a core of its own: exporting often costs the engine
-    nothing); the queue holds 8192 spans, so a slow collector does not make it drop spans at once."""
-    return {"schedule_delay_millis": int(env.get("OTEL_BSP_SCHEDULE_DELAY", "50")),
-            "max_export_batch_size": int(env.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "512")),
-            "max_queue_size": int(env.get("OTEL_BSP_MAX_QUEUE_SIZE", "8192")),
-            "export_timeout_millis": int(env.get("OTEL_BSP_EXPORT_TIMEOUT", "30000"))}
-
-
 def tracing_requested(env: Mapping[str, str]) -> bool:
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
         return False
     return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def resource_from_env(component: str, dp_rank: int | None, env: Mapping[str, str]) -> Resource:
-    """The process's resource: service name, component, DP rank, pod, then ``OTEL_RESOURCE_ATTRIBUTES``
-    (which cannot override the ones set here)."""
-    attributes: dict[str, str | int] = {"service.name": env.get("OTEL_SERVICE_NAME", f"modeserve-{component}"),
-                                        "modeserve.component": component}
+def export_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The export process's environment: this process's (how to import this package), its
+    ``OTEL_*`` replaced by those of ``env``, with ``BATCH_DEFAULTS`` where unset."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return out | BATCH_DEFAULTS | {k: v for k, v in env.items() if k.startswith("OTEL_")}
+
+
+def process_resource(component: str, dp_rank: int | None) -> Resource:
+    """The SDK's resource from this process's environment (``OTEL_SERVICE_NAME``, else
+    modeserve-<component>; ``OTEL_RESOURCE_ATTRIBUTES``, which cannot override the component and
+    the DP rank)."""
+    attributes: dict[str, str | int] = {"modeserve.component": component}
+    if not os.environ.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = f"modeserve-{component}"
     if dp_rank is not None:
         attributes["modeserve.dp_rank"] = dp_rank
-    if env.get("POD_NAME"):
-        attributes["k8s.pod.name"] = env["POD_NAME"]
-    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, _, value = item.partition("=")
-        if key.strip() and value:
-            attributes.setdefault(key.strip(), value.strip())
-    return Resource(attributes)
-
-
-def otlp_exporter_from_env(env: Mapping[str, str]) -> OTLPSpanExporter:
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-    insecure = endpoint.startswith("http://") or env.get("OTEL_EXPORTER_OTLP_INSECURE", "").lower() == "true"
-    return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+    return Resource.create(attributes)

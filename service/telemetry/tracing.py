@@ -7,8 +7,8 @@ callers skip everything). On, a span is a ``SpanRecord`` while it runs: ``start`
 asks the sampler (from ``OTEL_TRACES_SAMPLER``), as the SDK's tracer would; ``end`` hands a sampled
 one to the sink that makes it an SDK span and exports it: the export process (``export_process``,
 the SDK's OTLP/gRPC exporter under its batch processor, ``OTEL_BSP_*``), or, given an exporter (tests,
-benchmarks), the SDK in this process. The resource is ``OTEL_SERVICE_NAME`` and
-``OTEL_RESOURCE_ATTRIBUTES`` plus the component, the DP rank and, in Kubernetes, the pod name.
+benchmarks), the SDK in this process. The resource is the SDK's (``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``: the operator puts the pod's name there) plus the component and the DP rank.
 
 Trace context travels as W3C ``traceparent``/``tracestate``: in gRPC metadata from clients to the
 router, and in ``ForwardBatch.trace_context`` from the router's step to the engine's forward. The
@@ -30,7 +30,7 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan, SpanCont
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .export_process import ExportProcess
-from .otel_env import batch_settings_from_env, resource_from_env, sampler_from_env, tracing_requested
+from .otel_env import process_resource, sampler_from_env, tracing_requested
 from .span_record import SdkSink, SpanRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -62,9 +62,8 @@ class Tracing:
         if exporter is None:
             self._sink = ExportProcess(component, dp_rank, env)
             return
-        processor: SpanProcessor = (BatchSpanProcessor(exporter, **batch_settings_from_env(env)) if batched else
-                                    SimpleSpanProcessor(exporter))
-        self._sink = SdkSink(resource_from_env(component, dp_rank, env), processor)
+        processor: SpanProcessor = BatchSpanProcessor(exporter) if batched else SimpleSpanProcessor(exporter)
+        self._sink = SdkSink(process_resource(component, dp_rank), processor)
 
     def start(self, name: str, parent: SpanContext | None = None, kind: SpanKind = SpanKind.INTERNAL,
               attributes: dict[str, Any] | None = None, links: Sequence[SpanContext] = (),

@@ -7,6 +7,8 @@ invalid or missing.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from opentelemetry import trace
 
@@ -21,28 +23,37 @@ def test_tracing_off_without_endpoint() -> None:
     assert Tracing("router", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_SDK_DISABLED": "true"}).enabled is False
 
 
-def test_batch_settings_from_env() -> None:
-    from modeserve.service.telemetry.otel_env import batch_settings_from_env
+def test_export_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export process keeps this process's environment but takes its OTEL_* from the mapping,
+    with the batch processor's defaults where the mapping sets none."""
+    from modeserve.service.telemetry.otel_env import export_environment
 
-    assert batch_settings_from_env({}) == {"schedule_delay_millis": 50, "max_export_batch_size": 512,
-                                           "max_queue_size": 8192, "export_timeout_millis": 30000}
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "20", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100", "OTEL_BSP_MAX_QUEUE_SIZE": "400"}
-    assert batch_settings_from_env(env) == {"schedule_delay_millis": 20, "max_export_batch_size": 100,
-                                            "max_queue_size": 400, "export_timeout_millis": 30000}
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-the-process")
+    monkeypatch.setenv("MODESERVE_TEST_VAR", "kept")
+    env = export_environment({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317", "OTEL_BSP_SCHEDULE_DELAY": "20",
+                              "PATH": "/not/taken"})
+    assert env["MODESERVE_TEST_VAR"] == "kept" and env["PATH"] == os.environ["PATH"]
+    assert "OTEL_SERVICE_NAME" not in env and env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://x:4317"
+    assert env["OTEL_BSP_SCHEDULE_DELAY"] == "20" and env["OTEL_BSP_MAX_QUEUE_SIZE"] == "8192"
+    assert export_environment({})["OTEL_BSP_SCHEDULE_DELAY"] == "50"
 
 
-def test_resource_and_sampler_from_env() -> None:
+def test_resource_and_sampler_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from opentelemetry.sdk.trace import sampling
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from modeserve.service.telemetry.otel_env import resource_from_env, sampler_from_env
+    from modeserve.service.telemetry.otel_env import process_resource, sampler_from_env
 
-    env = {"OTEL_SERVICE_NAME": "svc", "POD_NAME": "pod-0", "OTEL_RESOURCE_ATTRIBUTES": "a=1, b = 2,service.name=x,bad"}
-    assert dict(resource_from_env("engine", 3, env).attributes) == {
-        "service.name": "svc", "modeserve.component": "engine", "modeserve.dp_rank": 3, "k8s.pod.name": "pod-0",
-        "a": "1", "b": "2"}
-    assert dict(resource_from_env("router", None, {}).attributes) == {"service.name": "modeserve-router",
-                                                                     "modeserve.component": "router"}
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "svc")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "a=1, b = 2,modeserve.dp_rank=9,k8s.pod.name=pod-0,bad")
+    attributes = dict(process_resource("engine", 3).attributes)
+    assert {k: attributes[k] for k in ("service.name", "modeserve.component", "modeserve.dp_rank", "k8s.pod.name",
+                                       "a", "b")} == {"service.name": "svc", "modeserve.component": "engine",
+                                                      "modeserve.dp_rank": 3, "k8s.pod.name": "pod-0", "a": "1", "b": "2"}
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
+    attributes = dict(process_resource("router", None).attributes)
+    assert attributes["service.name"] == "modeserve-router" and "modeserve.dp_rank" not in attributes
     assert sampler_from_env({}).get_description() == sampling.ParentBased(sampling.ALWAYS_ON).get_description()
     ratio = sampler_from_env({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"})
     assert isinstance(ratio, sampling.TraceIdRatioBased) and ratio.rate == 0.25

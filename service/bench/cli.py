@@ -8,8 +8,8 @@ import json
 from typing import Any, Callable
 
 from ...engine.config import RunnerConfig
-from ..bench import serving, streams
-from .engine_args import add_engine_args
+from . import serving, streams
+from ..cli.engine_args import add_engine_args
 
 
 def add_parser(sub: Any) -> None:
@@ -119,7 +119,7 @@ def _json_bench(module: str) -> Callable[[argparse.Namespace], int]:
     """A sub-command that runs ``modeserve.service.bench.<module>.run`` (imported lazily) and prints its JSON."""
 
     def run(args: argparse.Namespace) -> int:
-        print(json.dumps(importlib.import_module(f"..bench.{module}", __package__).run(args)))
+        print(json.dumps(importlib.import_module(f".{module}", __package__).run(args)))
         return 0
 
     return run
