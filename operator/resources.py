@@ -202,6 +202,8 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
         "imagePullPolicy": spec.image_pull_policy,
         "args": args,
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "MODESERVE_ENGINESET", "value": name},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "k8s.pod.name=$(POD_NAME)"},
                 *_tracing_env(spec, f"{name}-router")],
         "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
         "readinessProbe": {"grpc": {"port": ROUTER_PORT, "service": "modeserve.v1.Generate"}, "periodSeconds": 5},

@@ -67,6 +67,9 @@ def test_router_points_at_rank_zero_and_serves_generate() -> None:
     assert parsed.engineset is None and "serviceAccountName" not in pod  # no rights to read EngineSets
     assert parsed.metrics_port == res.METRICS_PORT
     assert c["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Generate"
+    names = [e["name"] for e in c["env"]]  # the kubelet expands $(VAR) only for variables defined before
+    assert c["env"][names.index("OTEL_RESOURCE_ATTRIBUTES")]["value"] == "k8s.pod.name=$(POD_NAME)"
+    assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
     assert service["metadata"]["name"] == "llama" and service["spec"]["ports"][0]["port"] == 50051
 
 
