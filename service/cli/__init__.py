@@ -7,8 +7,9 @@ import logging
 import sys
 
 from ..rpc import client
+from ...operator import cli as operator
 from ..bench import cli as bench
-from . import drain, engine, generate, operator, router, serve
+from . import drain, engine, generate, router, serve
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ import pytest
 
 from modeserve.operator.reconcile import OperatorConfig
 from modeserve.service.cli import build_parser
-from modeserve.service.cli.operator import build_config
+from modeserve.operator.cli import build_config
 from tests.k8s.test_chart import helm, render  # noqa: F401  (helm is a fixture)
 
 

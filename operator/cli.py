@@ -1,6 +1,6 @@
-"""``modeserve operator --namespaces a,b``: the EngineSet operator (kopf), standalone, one per cluster
-(the Helm chart runs one replica with ``Recreate``). Liveness on ``/healthz`` (port 8080 by default);
-the engines' and routers' image defaults to ``$MODESERVE_IMAGE``."""
+"""``modeserve operator --namespaces a,b`` (a sub-command of ``service/cli``): the EngineSet operator
+(kopf), standalone, one per cluster (the Helm chart runs one replica with ``Recreate``). Liveness on
+``/healthz`` (port 8080 by default); the engines' and routers' image defaults to ``$MODESERVE_IMAGE``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .reconcile import OperatorConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -28,9 +31,9 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
+def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> OperatorConfig:
     """The operator's ``OperatorConfig`` from the command line and the environment."""
-    from ...operator.reconcile import OperatorConfig
+    from .reconcile import OperatorConfig
 
     return OperatorConfig(
         namespaces=tuple(ns.strip() for ns in args.namespaces.split(",") if ns.strip()),
@@ -46,10 +49,10 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
 def run(args: argparse.Namespace) -> int:
     # kopf and the kubernetes client come with the `operator` extra: imported only here
     import kopf
-    from ...operator.handlers import create_registry, operator_settings
-    from ...operator.kube import Kube
-    from ...operator.reconcile import EngineSetReconciler
-    from ...operator.router_client import GrpcAdminClient
+    from .handlers import create_registry, operator_settings
+    from .kube import Kube
+    from .reconcile import EngineSetReconciler
+    from .router_client import GrpcAdminClient
 
     if args.operator_log_level:
         logging.getLogger().setLevel(args.operator_log_level.upper())
