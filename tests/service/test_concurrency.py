@@ -1,6 +1,5 @@
 """Thousands of concurrent streams against a real ``modeserve serve`` process from one ``grpc.aio``
-client: every stream ends OK and token-exact against ``LLM.generate`` (greedy is batch-independent),
-the server cancels none, and over ``--max-queued-requests`` the excess is refused with
+client: every stream ends OK and token-exact against ``LLM.generate``, the server cancels none, and over ``--max-queued-requests`` the excess is refused with
 RESOURCE_EXHAUSTED and nothing else. Every status code is counted."""
 
 from __future__ import annotations
@@ -89,7 +88,24 @@ def test_concurrent_streams_all_complete_token_exact(server: str, tiny_model: Pa
     assert all(o.finish_reason == "length" and len(o.token_ids) == NEW_TOKENS for o in outcomes)
     expect = reference(tiny_model, batch)
     wrong = [i for i, (o, e) in enumerate(zip(outcomes, expect)) if o.token_ids != e]
-    assert not wrong, f"{len(wrong)} of {count} streams differ from LLM.generate, first {wrong[:5]}"
+    assert len(wrong) <= max(1, count // 1000), f"{len(wrong)} of {count} streams differ from LLM.generate: {wrong[:5]}"
+    for i in wrong:
+        assert_diverges_at_a_tie(tiny_model, batch[i], outcomes[i].token_ids, expect[i])
+
+
+def assert_diverges_at_a_tie(model: Path, prompt: list[int], got: list[int], expect: list[int]) -> None:
+    """Greedy decoding is exact up to float rounding, which depends on what else is in the batch
+    (the kernels' reduction order changes with the number of rows), so where the two top tokens'
+    logits are within rounding of each other the two runs may choose differently, and differ from
+    there on. A stream that differs must do so at such a tie, found by the request decoded alone
+    (its top-2 log-probabilities), and choose one of its two tokens."""
+    at = next(t for t, (a, b) in enumerate(zip(got, expect)) if a != b)
+    llm = LLM(model=str(model), **ENGINE_ARGS)  # type: ignore[arg-type]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True, logprobs=2)
+    (alone,) = llm.generate(prompt_token_ids=[prompt + got[:at]], sampling_params=sp)
+    (first, lp1), (second, lp2) = alone.top_logprobs[0][:2]
+    assert {got[at], expect[at]} == {first, second}, f"token {at}: {got[at]} / {expect[at]}, top-2 alone {first}, {second}"
+    assert lp1 - lp2 < 1e-4, f"token {at} of {prompt}: no tie (top-2 log-probabilities {lp1}, {lp2})"
 
 
 def test_over_max_queued_requests_the_excess_is_refused_and_the_rest_complete(tiny_model: Path) -> None:
