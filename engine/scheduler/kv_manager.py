@@ -51,6 +51,12 @@ class KVManager:
     def alloc(self, req: Req, n: int, keep_free_pages: int = 0) -> list[int] | None:
         """Slots for the next ``n`` tokens of ``req`` (appended to ``req.kv_locs``), evicting cached
         prefixes if needed; None (nothing changed) if that would leave < ``keep_free_pages``."""
+        locs = req.kv_locs
+        if n == 1 and not keep_free_pages and len(locs) % self.page_size:
+            # a decode step's slot, in the request's last page (its own: shared prefixes end on a
+            # page boundary): the next one, with no pool or cache work
+            locs.append(locs[-1] + 1)
+            return locs[-1:]
         need = pages_needed(self.page_size, req.num_computed, n)
         if self.num_available_pages - need < keep_free_pages:
             return None

@@ -11,7 +11,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -35,8 +35,7 @@ class _Item:
     length: int  # tokens computed this step
 
 
-@dataclass(frozen=True)
-class _Sample:
+class _Sample(NamedTuple):  # one per request per step: a tuple is made faster than a frozen dataclass
     req: Req
     output_index: int  # where the sampled token goes in req.output_ids (a placeholder until then)
     first: bool  # the request's first sample since (re)admission: its prompt is now computed
@@ -230,11 +229,43 @@ class Scheduler:
         req.prefill_done = False
 
     def _build(self, extends: list[_Item], decodes: list[Req]) -> ScheduledStep | None:
-        items = extends + [_Item(r, r.num_computed - 1, 1) for r in decodes]
-        if not items:
+        if not extends and not decodes:
             return None
         mode = determine_forward_mode(len(extends), len(decodes))
-        reqs = tuple(it.req for it in items)
+        reqs = tuple([it.req for it in extends] + decodes)
+        if extends:
+            arrays = self._extend_arrays(extends + [_Item(r, r.num_computed - 1, 1) for r in decodes])
+        else:  # a decode step (one step a few milliseconds, every request in it): plain lists
+            pos = [r.num_computed - 1 for r in decodes]
+            arrays = {"prefix_lens": np.array(pos, dtype=np.int64), "extend_lens": np.ones(len(pos), dtype=np.int64),
+                      "sample_mask": np.ones(len(pos), dtype=bool), "positions": np.array(pos, dtype=np.int64),
+                      "input_ids": np.array([r.tokens(p, p + 1)[0] for r, p in zip(decodes, pos)], dtype=np.int64),
+                      "out_cache_loc": np.array([r.kv_locs[-1] for r in decodes], dtype=np.int64)}
+        batch = ForwardBatch(
+            forward_mode=mode,
+            req_pool_indices=np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
+            admissions=tuple(self._admissions),
+            slot_updates=tuple(self.pending_updates),
+            step=self.step_no,
+            **arrays,
+        )
+        self._admissions.clear()
+        self.pending_updates.clear()
+        samples = []
+        for req, sampled in zip(reqs, batch.sample_mask.tolist()):
+            if sampled:
+                samples.append(_Sample(req, len(req.output_ids), not req.prefill_done))
+                req.output_ids.append(PLACEHOLDER)
+                req.prefill_done = True
+        self.stats.record(mode, batch.batch_size, batch.num_tokens)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s | running=%d waiting=%d", self.stats.log_line(self.step_no, mode, batch.batch_size,
+                                                                        batch.num_tokens),
+                        len(self.running), len(self.waiting))
+        return ScheduledStep(batch, reqs, tuple(samples))
+
+    @staticmethod
+    def _extend_arrays(items: list[_Item]) -> dict[str, np.ndarray]:
         ids: list[int] = []
         locs: list[int] = []
         for it in items:
@@ -243,35 +274,11 @@ class Scheduler:
             locs.extend(it.req.kv_locs[it.start : end])
         prefix = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
         ext = np.fromiter((it.length for it in items), dtype=np.int64, count=len(items))
-        positions = np.concatenate([np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix, ext)])
-        batch = ForwardBatch(
-            forward_mode=mode,
-            req_pool_indices=np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs)),
-            prefix_lens=prefix,
-            extend_lens=ext,
-            sample_mask=np.fromiter((it.start + it.length == it.req.fill_len for it in items), dtype=bool,
-                                    count=len(items)),
-            input_ids=np.asarray(ids, dtype=np.int64),
-            positions=positions,
-            out_cache_loc=np.asarray(locs, dtype=np.int64),
-            admissions=tuple(self._admissions),
-            slot_updates=tuple(self.pending_updates),
-            step=self.step_no,
-        )
-        self._admissions.clear()
-        self.pending_updates.clear()
-        samples = []
-        for it, sampled in zip(items, batch.sample_mask):
-            if sampled:
-                samples.append(_Sample(it.req, len(it.req.output_ids), not it.req.prefill_done))
-                it.req.output_ids.append(PLACEHOLDER)
-                it.req.prefill_done = True
-        self.stats.record(mode, batch.batch_size, batch.num_tokens)
-        if logger.isEnabledFor(logging.INFO):
-            logger.info("%s | running=%d waiting=%d", self.stats.log_line(self.step_no, mode, batch.batch_size,
-                                                                        batch.num_tokens),
-                        len(self.running), len(self.waiting))
-        return ScheduledStep(batch, reqs, tuple(samples))
+        return {"prefix_lens": prefix, "extend_lens": ext,
+                "sample_mask": np.fromiter((it.start + it.length == it.req.fill_len for it in items), dtype=bool,
+                                           count=len(items)),
+                "positions": np.concatenate([np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix, ext)]),
+                "input_ids": np.asarray(ids, dtype=np.int64), "out_cache_loc": np.asarray(locs, dtype=np.int64)}
 
     # ---- results --------------------------------------------------------------------------
     def process_result(self, step: ScheduledStep, result: ForwardResult) -> list[ReqEvent]:
@@ -281,11 +288,12 @@ class Scheduler:
         placeholder, which is dropped if this token finishes it.
         """
         events: list[ReqEvent] = []
+        tokens = result.next_token_ids.tolist()  # Python ints at once, not a numpy scalar per row
         for i, sample in enumerate(step.samples):
             req = sample.req
             if req.finished:
                 continue  # aborted (or finished by an earlier in-flight step)
-            token = int(result.next_token_ids[i])
+            token = tokens[i]
             req.output_ids[sample.output_index] = token
             if sample.first and req.status == ReqStatus.RUNNING:
                 update = self.kv.cache_prefix(req)
