@@ -11,7 +11,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -233,6 +233,7 @@ class Scheduler:
             return None
         mode = determine_forward_mode(len(extends), len(decodes))
         reqs = tuple([it.req for it in extends] + decodes)
+        arrays: dict[str, Any]  # ForwardBatch's array fields
         if extends:
             arrays = self._extend_arrays(extends + [_Item(r, r.num_computed - 1, 1) for r in decodes])
         else:  # a decode step (one step a few milliseconds, every request in it): plain lists
@@ -265,7 +266,7 @@ class Scheduler:
         return ScheduledStep(batch, reqs, tuple(samples))
 
     @staticmethod
-    def _extend_arrays(items: list[_Item]) -> dict[str, np.ndarray]:
+    def _extend_arrays(items: list[_Item]) -> dict[str, Any]:
         ids: list[int] = []
         locs: list[int] = []
         for it in items:
