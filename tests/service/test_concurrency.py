@@ -32,6 +32,7 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     end: float = 0.0  # time.monotonic() when the stream ended
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set at its first message or its end
 
 
 def prompts(count: int) -> list[list[int]]:
@@ -46,30 +47,47 @@ def reference(model: Path, batch: list[list[int]], new_tokens: int = NEW_TOKENS)
     return [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=sp)]
 
 
+async def _generate(stub: generate_pb2_grpc.GenerateStub, i: int, prompt: list[int], new_tokens: int,
+                    out: Outcome | None = None) -> Outcome:
+    req = generate_pb2.GenerateRequest(request_id=f"c{i}", token_ids=prompt, sampling=generate_pb2.SamplingParams(
+        temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+    out = out or Outcome("OK")
+    try:
+        async for msg in stub.Generate(req):
+            out.token_ids.extend(msg.token_ids)
+            out.finish_reason = msg.finish_reason or out.finish_reason
+            out.started.set()
+    except grpc.aio.AioRpcError as exc:
+        out.code = exc.code().name
+    out.end = time.monotonic()
+    out.started.set()
+    return out
+
+
 async def _stream_all(address: str, batch: list[list[int]], new_tokens: int) -> list[Outcome]:
     async with grpc.aio.insecure_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
         stub = generate_pb2_grpc.GenerateStub(channel)
-
-        async def one(i: int, prompt: list[int]) -> Outcome:
-            req = generate_pb2.GenerateRequest(request_id=f"c{i}", token_ids=prompt, sampling=generate_pb2.SamplingParams(
-                temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-            out = Outcome("OK")
-            try:
-                async for msg in stub.Generate(req):
-                    out.token_ids.extend(msg.token_ids)
-                    out.finish_reason = msg.finish_reason or out.finish_reason
-            except grpc.aio.AioRpcError as exc:
-                out.code = exc.code().name
-            out.end = time.monotonic()
-            return out
-
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+        return await asyncio.gather(*(_generate(stub, i, p, new_tokens) for i, p in enumerate(batch)))
 
 
 def stream_all(address: str, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[Outcome]:
     """Every prompt as its own stream, all opened at once on one channel."""
     return asyncio.run(asyncio.wait_for(_stream_all(address, batch, new_tokens), DEADLINE_S))
+
+
+async def _fill_then_overflow(address: str, held: list[list[int]], excess: list[list[int]],
+                              new_tokens: int) -> tuple[list[Outcome], list[Outcome]]:
+    """Opens the ``held`` streams, waits until each has its first tokens (it is admitted and running), then
+    opens the ``excess`` ones on the same channel."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        held_out = [Outcome("OK") for _ in held]
+        running = [asyncio.ensure_future(_generate(stub, i, p, new_tokens, o)) for i, (p, o) in enumerate(zip(held, held_out))]
+        await asyncio.gather(*(o.started.wait() for o in held_out))
+        over = await asyncio.gather(*(_generate(stub, len(held) + i, p, new_tokens) for i, p in enumerate(excess)))
+        return list(await asyncio.gather(*running)), list(over)
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +127,21 @@ def assert_diverges_at_a_tie(model: Path, prompt: list[int], got: list[int], exp
 
 
 def test_over_max_queued_requests_the_excess_is_refused_and_the_rest_complete(tiny_model: Path) -> None:
-    limit, count, new_tokens = 200, 600, 4 * NEW_TOKENS
-    batch = prompts(count)
+    limit, excess, new_tokens = 200, 200, 200  # 200 new tokens: as long as the model's 256 positions allow
+    batch = prompts(limit + excess)
     with spawn("serve", "--model", str(tiny_model), "--max-queued-requests", str(limit),
                *engine_flags(ENGINE_ARGS)) as address:
-        # the client sees a stream end after the server has freed its slot: streams long enough that none
-        # ends while the others still arrive
-        outcomes = stream_all(address, batch, new_tokens)
-    codes = Counter(o.code for o in outcomes)
-    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, dict(codes)
-    assert codes["OK"] >= limit and codes["RESOURCE_EXHAUSTED"] > 0, dict(codes)  # the queue filled, then refused
-    refused_last = max((o.end for o in outcomes if o.code != "OK"), default=0.0)
-    first_done = min(o.end for o in outcomes if o.code == "OK")
-    if refused_last < first_done:  # no slot came free while requests arrived: exactly the excess was refused
-        assert codes == {"OK": limit, "RESOURCE_EXHAUSTED": count - limit}, dict(codes)
-    accepted = [i for i, o in enumerate(outcomes) if o.code == "OK"]
-    assert all(outcomes[i].finish_reason == "length" and len(outcomes[i].token_ids) == new_tokens for i in accepted)
-    expect = reference(tiny_model, [batch[i] for i in accepted], new_tokens)
-    assert [outcomes[i].token_ids for i in accepted] == expect
+        held, over = asyncio.run(asyncio.wait_for(
+            _fill_then_overflow(address, batch[:limit], batch[limit:], new_tokens), DEADLINE_S))
+    assert Counter(o.code for o in held) == {"OK": limit}  # admitted while the queue had room
+    codes = Counter(o.code for o in over)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["RESOURCE_EXHAUSTED"] > 0, dict(codes)
+    # the client sees a stream end after the server has freed its slot; an excess stream admitted into a freed
+    # slot ends 200 decode steps after it, so if every excess stream ended before the first held one, none
+    # found a slot free and every one was refused
+    if max(o.end for o in over) < min(o.end for o in held):
+        assert codes == {"RESOURCE_EXHAUSTED": excess}, dict(codes)
+    accepted = held + [o for o in over if o.code == "OK"]
+    prompts_accepted = batch[:limit] + [p for p, o in zip(batch[limit:], over) if o.code == "OK"]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == new_tokens for o in accepted)
+    assert [o.token_ids for o in accepted] == reference(tiny_model, prompts_accepted, new_tokens)
