@@ -45,7 +45,7 @@ def exit_on_stdin_eof() -> None:
 def run(args: argparse.Namespace) -> int:
     from ...engine.builder import build_engine
     from ..rpc.engine_server import create_engine_server
-    from ..rpc.grpc_server import grpc_address, serve_until_signal
+    from ..rpc.grpc_server import grpc_address, wait_for_signal
 
     if args.dp_rank < 0:
         raise ValueError(f"--dp-rank must be >= 0, got {args.dp_rank}")
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
     logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,
                 runner.num_kv_slots, runner.device)
-    code = serve_until_signal(srv, args.grace_period)
+    wait_for_signal(args.grace_period)
+    srv.stop(args.grace_period)
     sys.stdout.flush()
-    return code
+    return 0

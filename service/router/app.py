@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ...proto.v1 import admin_pb2_grpc, generate_pb2_grpc
-from ..rpc.aio_server import AioServer, EventLoopThread
+from ..rpc.grpc_server import EventLoopThread, GrpcServer
 from ..rpc.grpc_server import wait_for_signal
 from ..telemetry.metrics import MetricsServer
 from ..telemetry.tracing import Tracing
@@ -22,7 +22,7 @@ from .request_validation import RequestParser
 @dataclass
 class RouterApp:
     events: EventLoopThread
-    server: AioServer
+    server: GrpcServer
     servicer: GenerateServicer
     table: RankTable
     metrics: MetricsServer
@@ -67,7 +67,7 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
     tracing = tracing or Tracing("router")
     servicer = GenerateServicer(parser, table, model_name, eos_token_ids, metrics.requests, tracing)
     admin = AdminServicer(table)
-    server = AioServer(events, address,
+    server = GrpcServer(events, address,
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
                         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
                        [GENERATE_SERVICE, ADMIN_SERVICE])

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ...engine.llm import LLM
-from ..rpc.aio_server import EventLoopThread
+from ..rpc.grpc_server import EventLoopThread
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
 from .app import RouterApp, start_router

@@ -44,11 +44,6 @@ class LockstepGroup:
             self._waiting.pop(member, None)
             self._maybe_agree()
 
-    @property
-    def members(self) -> set[str]:
-        with self._cond:
-            return set(self._members)
-
     def exchange(self, member: str, offer: StepOffer, timeout: float = 0.1) -> StepAgreement | None:
         """Offer this step and wait for every member's; None if the round is still open after
         ``timeout`` (the caller checks whether it should stop, then calls again: the first offer

@@ -27,18 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    handle: RequestHandle
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    rid: str
 
 
 @dataclass(frozen=True)
@@ -71,7 +62,7 @@ class RankLoop:
         self.snapshot = RankSnapshot(RankSample(name, scheduler.stats))
         self.prefix = PrefixIndex(scheduler.kv.page_size, scheduler.kv.pool.num_total_pages)
         self._lock = threading.Lock()  # guards the inbox and the handles
-        self._inbox: list[AddRequest | AbortRequest] = []
+        self._inbox: list[RequestHandle | str] = []  # a request to add, or the id of one to abort
         self._inbox_tokens = 0
         self._handles: dict[str, RequestHandle] = {}
         self._wake = threading.Event()
@@ -103,14 +94,14 @@ class RankLoop:
             if req.rid in self._handles:
                 raise ValueError(f"request_id {req.rid!r} is already in flight")
             self._handles[req.rid] = handle
-            self._inbox.append(AddRequest(handle))
+            self._inbox.append(handle)
             self._inbox_tokens += req.fill_len
         self.prefix.add(req.prompt_ids)
         self._wake.set()
 
     def abort(self, rid: str) -> None:
         with self._lock:
-            self._inbox.append(AbortRequest(rid))
+            self._inbox.append(rid)
         self._wake.set()
 
     @property
@@ -164,9 +155,9 @@ class RankLoop:
             items, self._inbox, self._inbox_tokens = self._inbox, [], 0
         aborted = []
         for item in items:
-            if isinstance(item, AddRequest):
-                self.scheduler.add_request(item.handle.req)
-            elif (req := self.scheduler.abort(item.rid)) is not None:
+            if not isinstance(item, str):
+                self.scheduler.add_request(item.req)
+            elif (req := self.scheduler.abort(item)) is not None:
                 aborted.append((req.rid, TokenUpdate((), "abort")))
         if aborted:
             self._deliver(aborted)

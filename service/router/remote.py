@@ -11,7 +11,7 @@ from ...engine.config import SchedulerConfig
 from ...engine.request_limits import RequestLimits
 from ...engine.scheduler.scheduler import Scheduler
 from ...engine.tokenizer import Tokenizer, load_tokenizer
-from ..rpc.aio_server import EventLoopThread
+from ..rpc.grpc_server import EventLoopThread
 from ..rpc.engine_client import describe_engine, engine_healthy
 from ..rpc.grpc_executor import GrpcExecutor
 from ..telemetry.step_tracing import StepTracer

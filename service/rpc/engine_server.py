@@ -1,19 +1,19 @@
 """The engine pod's gRPC service (``modeserve.v1.Engine``): ForwardBatch steps in, results out.
 
-One ``ModelRunner`` serves every stream; it is not thread-safe, so launches run one at a time under
-a lock. Each stream is independent: a bad batch ends only the stream that sent it, and validation
+The RPCs run on the server's event loop, each stream's steps on a thread of its own. One
+``ModelRunner`` serves every stream; it is not thread-safe, so launches run one at a time under a lock.
+Each stream is independent: a bad batch ends only the stream that sent it, and validation
 (``convert.batch_from_proto``) happens before the runner is touched.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import asyncio
 import threading
-from typing import Iterator, NoReturn, Sequence
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
 from ...engine.runner.model_runner import ModelRunner
 from ...engine.scheduler.stats import ForwardModeStats
@@ -21,12 +21,9 @@ from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from .convert import BatchLimits, mode_stats_to_proto
 from .engine_client import ENGINE_SERVICE
 from .forward_stream import ForwardStream, SharedRunner, StepError
-from .grpc_server import GrpcServer, create_grpc_server
+from .grpc_server import EventLoopThread, GrpcServer
 from ..telemetry.metrics import MetricsServer, RankSample
 from ..telemetry.tracing import Tracing
-
-logger = logging.getLogger(__name__)
-
 
 
 def batch_limits(runner: ModelRunner) -> BatchLimits:
@@ -59,11 +56,6 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
     )
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
-
-
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, runner: ModelRunner, description: engine_pb2.EngineDescription,
                  tracing: Tracing | None = None) -> None:
@@ -72,70 +64,34 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.tracing = tracing or Tracing("engine", description.dp_rank, env={})
         self._limits = batch_limits(runner)
         self._description = description
-        self._health: health.HealthServicer | None = None
         self.stats = ForwardModeStats()  # the steps this engine ran (Describe and /metrics read it)
-        self._state_lock = threading.Lock()  # guards the two fields below
-        self._active_streams = 0
-        self._draining = False
-
-    def attach_health(self, health_servicer: health.HealthServicer) -> None:
-        """Report the Engine service NOT_SERVING (readiness) once draining; liveness is untouched."""
-        with self._state_lock:
-            self._health = health_servicer
-        if self.draining:
-            self._set_not_serving()
-
-    def _set_not_serving(self) -> None:
-        if self._health is not None:
-            self._health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    @property
-    def draining(self) -> bool:
-        with self._state_lock:
-            return self._draining
-
-    @property
-    def active_streams(self) -> int:
-        with self._state_lock:
-            return self._active_streams
-
-    def drain(self) -> int:
-        """Refuse new Forward streams from now on; returns the streams still running."""
-        with self._state_lock:
-            self._draining = True
-            active = self._active_streams
-        self._set_not_serving()
-        return active
-
-    @contextlib.contextmanager
-    def _stream(self, context: grpc.ServicerContext) -> Iterator[None]:
-        with self._state_lock:
-            draining = self._draining
-            if not draining:
-                self._active_streams += 1
-        if draining:
-            _abort(context, grpc.StatusCode.UNAVAILABLE, "engine is draining: it accepts no new Forward streams")
-        try:
-            yield
-        finally:
-            with self._state_lock:
-                self._active_streams -= 1
+        self.server: GrpcServer | None = None  # its readiness turns NOT_SERVING on Drain
+        self.active_streams = 0  # these two: on the event loop only
+        self.draining = False
 
     # ---- RPCs ----------------------------------------------------------------------------------
-    def Forward(self, request_iterator: Iterator[forward_pb2.ForwardBatch],
-                context: grpc.ServicerContext) -> Iterator[forward_pb2.ForwardResult]:
+    async def Forward(self, request_iterator: AsyncIterator[forward_pb2.ForwardBatch],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[forward_pb2.ForwardResult]:
         """Results in step order; a bad batch or a failed forward ends only this stream."""
-        with self._stream(context):
-            stream = ForwardStream(request_iterator, self._limits, self.tracing, self._description.dp_rank,
-                                   self.stats)
-            threading.Thread(target=stream.run, args=(self._runner,), name="forward-steps", daemon=True).start()
-            while (item := stream.results.get()) is not None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining: it accepts no new Forward streams")
+        self.active_streams += 1
+        stream = ForwardStream(self._limits, self.tracing, self._description.dp_rank, self.stats,
+                               asyncio.get_running_loop())
+        reader = asyncio.ensure_future(stream.read(request_iterator))
+        threading.Thread(target=stream.run, args=(self._runner,), name="forward-steps", daemon=True).start()
+        try:
+            while (item := await stream.results.get()) is not None:
                 if isinstance(item, StepError):
-                    _abort(context, item.code, str(item))
-                yield item
+                    await context.abort(item.code, str(item))  # raises
+                else:
+                    yield item
+        finally:  # ended, failed or cancelled: the reader's end stops the steps
+            self.active_streams -= 1
+            reader.cancel()
 
-    def Describe(self, request: engine_pb2.DescribeRequest,
-                 context: grpc.ServicerContext) -> engine_pb2.EngineDescription:
+    async def Describe(self, request: engine_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> engine_pb2.EngineDescription:
         description = engine_pb2.EngineDescription()
         description.CopyFrom(self._description)
         description.mode_stats.extend(mode_stats_to_proto([self.stats]))
@@ -146,26 +102,48 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return RankSample(str(self._description.dp_rank), self.stats,
                           graph_stats=runner.graphs.stats() if runner.graphs is not None else None)
 
-    def Drain(self, request: engine_pb2.DrainRequest, context: grpc.ServicerContext) -> engine_pb2.DrainResponse:
-        active = self.drain()
-        return engine_pb2.DrainResponse(drained=active == 0, active_streams=active)
+    async def Drain(self, request: engine_pb2.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> engine_pb2.DrainResponse:
+        """Refuse new Forward streams from now on (readiness NOT_SERVING, liveness untouched)."""
+        self.draining = True
+        if self.server is not None:
+            await self.server.set_not_serving(ENGINE_SERVICE)
+        return engine_pb2.DrainResponse(drained=self.active_streams == 0, active_streams=self.active_streams)
+
+
+@dataclass
+class EngineServer:
+    """A serving engine: its gRPC server on an event loop of its own, and its /metrics."""
+
+    events: EventLoopThread
+    server: GrpcServer
+    servicer: EngineServicer
+    metrics: MetricsServer | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, grace: float) -> None:
+        """Report NOT_SERVING, refuse new streams, let running ones finish within ``grace`` seconds."""
+        self.server.shutdown(grace)
+        self.events.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.servicer.tracing.shutdown()
 
 
 def create_engine_server(runner: ModelRunner, address: str, *, model_path: str | None = None,
                          eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0,
-                         metrics_port: int | None = None) -> GrpcServer:
-    """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection.
-
-    Draining marks the Engine service NOT_SERVING (readiness) while liveness ``""`` stays SERVING.
-    """
+                         metrics_port: int | None = None) -> EngineServer:
+    """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection."""
     servicer = EngineServicer(runner, describe_runner(runner, model_path, eos_token_ids, dp_rank),
                               Tracing("engine", dp_rank))
-    srv = create_grpc_server(
-        address,
-        [lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)],
-        [ENGINE_SERVICE],
-    )
-    servicer.attach_health(srv.health)
+    events = EventLoopThread("engine-grpc")
+    servicer.server = GrpcServer(events, address, [lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s)],
+                                 [ENGINE_SERVICE])
+    srv = EngineServer(events, servicer.server, servicer)
     if metrics_port is not None:
-        srv.metrics_port = MetricsServer(lambda: [servicer.rank_sample()], router=False).start(metrics_port)
+        srv.metrics = MetricsServer(lambda: [servicer.rank_sample()], router=False)
+        srv.metrics.start(metrics_port)
     return srv

@@ -1,14 +1,16 @@
 """One ``Engine.Forward`` stream as the step loop's source: batches from the router in, results out in
-step order. A batch that has arrived is launched before the previous step's result is awaited, so
-the device runs step N while step N+1 is unpacked, uploaded and planned."""
+step order. The stream's RPC lives on the server's event loop; its steps run on a thread of their own
+(the step loop blocks on the device). A batch that has arrived is launched before the previous step's
+result is awaited, so the device runs step N while step N+1 is unpacked, uploaded and planned."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
@@ -71,8 +73,8 @@ class SharedRunner:
 
 
 class ForwardStream:
-    def __init__(self, requests: Iterator[forward_pb2.ForwardBatch], limits: BatchLimits, tracing: Tracing,
-                 dp_rank: int, stats: ForwardModeStats) -> None:
+    def __init__(self, limits: BatchLimits, tracing: Tracing, dp_rank: int, stats: ForwardModeStats,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.limits = limits
         self.tracing = tracing
         self.dp_rank = dp_rank
@@ -80,29 +82,36 @@ class ForwardStream:
         self.ended = False
         self._error: StepError | None = None  # a batch that could not be read: the stream's last word
         self._inbox: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
-        self.results: queue.SimpleQueue[forward_pb2.ForwardResult | StepError | None] = queue.SimpleQueue()
-        threading.Thread(target=self._read, args=(requests,), name="forward-reader", daemon=True).start()
+        self._loop = loop
+        self.results: asyncio.Queue[forward_pb2.ForwardResult | StepError | None] = asyncio.Queue()
 
-    def _read(self, requests: Iterator[forward_pb2.ForwardBatch]) -> None:
-        """The stream's messages into the inbox; None marks its end (closed, cancelled or broken)."""
+    async def read(self, requests: AsyncIterator[forward_pb2.ForwardBatch]) -> None:
+        """The stream's messages into the inbox (on the loop); None marks its end (closed, cancelled or
+        broken)."""
         try:
-            for msg in requests:
+            async for msg in requests:
                 self._inbox.put(msg)
         except Exception:  # the RPC ended under us (cancelled, deadline): the stream is over either way
             pass
         finally:
             self._inbox.put(None)
 
+    def _post(self, item: forward_pb2.ForwardResult | StepError | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.results.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody waits for results
+            pass
+
     def run(self, executor: Executor) -> None:
-        """Step until the router closes the stream or a step fails; the results (then an error, if
-        any, then None) go to ``results``."""
+        """Step (on the calling thread) until the router closes the stream or a step fails; the results
+        (then an error, if any, then None) go to ``results``."""
         try:
             StepLoop(self, executor, 2, self.stats).run(lambda: self.ended)
         except StepError as exc:
             self._error = exc
         if self._error is not None:
-            self.results.put(self._error)
-        self.results.put(None)
+            self._post(self._error)
+        self._post(None)
 
     def next_step(self, idle: bool) -> EngineStep | None:
         try:
@@ -124,4 +133,4 @@ class ForwardStream:
         end_forward_span(self.tracing, step.span, result)
         batch = step.batch
         self.stats.record(batch.forward_mode, batch.batch_size, batch.num_tokens)
-        self.results.put(result_to_proto(result, batch.step))
+        self._post(result_to_proto(result, batch.step))

@@ -1,15 +1,16 @@
-"""What every modeserve gRPC server has: health (liveness ``""`` + readiness per service),
-reflection, and a graceful SIGTERM (NOT_SERVING -> stop accepting -> finish in flight -> exit)."""
+"""Every modeserve gRPC server: an asyncio server (``grpc.aio``) on an event-loop thread with health
+(liveness ``""`` + readiness per service), reflection and a graceful stop; and what a serving process
+does around it (its start-up heap frozen, SIGTERM/SIGINT awaited)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gc
 import logging
 import signal
 import threading
-from concurrent import futures
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,7 +18,9 @@ from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_PENDING_CALLS = 1 << 20
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -26,49 +29,83 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-@dataclass
-class GrpcServer:
-    server: grpc.Server
-    port: int
-    health: health.HealthServicer
-    service_names: tuple[str, ...]
-    metrics_port: int | None = None  # the process's Prometheus /metrics port, when serving one
+class EventLoopThread:
+    """An asyncio event loop running on its own thread; other threads hand it work."""
 
-    def set_serving(self, serving: bool) -> None:
+    def __init__(self, name: str = "grpc-aio") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float | None = 60) -> T:
+        """Run ``coro`` on the loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon (from any thread; ``RuntimeError`` once it is closed)."""
+        self.loop.call_soon_threadsafe(callback)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+class GrpcServer:
+    def __init__(self, loop: EventLoopThread, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
+                 service_names: Sequence[str]) -> None:
+        """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port);
+        ``ValueError`` when it cannot bind."""
+        self.service_names = tuple(service_names)
+        self.events = loop
+        self.port = loop.run(self._start(address, register))
+
+    async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]]) -> int:
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC core cancels calls that wait unmatched while more than its default of pending ones
+            # queue (a burst of streams on a busy loop); admission here is --max-queued-requests
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
+        for add in register:
+            add(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self.server)
+        try:
+            port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ValueError(f"cannot bind gRPC server to {address!r}: {exc}") from exc
+        if port == 0:
+            raise ValueError(f"cannot bind gRPC server to {address!r}")
+        await self.server.start()
+        await self._set_serving(True)
+        return port
+
+    async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
-    def shutdown(self, grace: float) -> threading.Event:
+    async def set_not_serving(self, service: str) -> None:
+        """One service NOT_SERVING (an engine that drains: readiness), the others as they are."""
+        await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def shutdown(self, grace: float) -> None:
         """Report NOT_SERVING, refuse new RPCs, let in-flight ones finish within ``grace`` seconds."""
-        self.set_serving(False)
-        return self.server.stop(grace)
+        if self.events.loop.is_closed():
+            return
+        try:
+            self.events.run(self._stop(grace), timeout=grace + 30)
+        except concurrent.futures.TimeoutError:
+            pass
 
-
-def create_grpc_server(
-    address: str,
-    register: Sequence[Callable[[grpc.Server], None]],
-    service_names: Sequence[str],
-    max_workers: int = 256,
-) -> GrpcServer:
-    """Build and start a server on ``address`` (``host:0`` picks a free port) with health and reflection."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-    )
-    for add in register:
-        add(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"cannot bind gRPC server to {address!r}")
-    server.start()
-    out = GrpcServer(server, port, health_servicer, tuple(service_names))
-    out.set_serving(True)
-    return out
+    async def _stop(self, grace: float) -> None:
+        await self._set_serving(False)
+        await self.server.stop(grace)
 
 
 def freeze_startup_heap() -> None:
@@ -95,10 +132,3 @@ def wait_for_signal(grace: float, stop: threading.Event | None = None) -> None:
     # handler and the process ignores SIGTERM. A timed wait returns to the interpreter, which runs it.
     while not signalled.wait(timeout=0.2) and not (stop is not None and stop.is_set()):
         pass
-
-
-def serve_until_signal(srv: GrpcServer, grace: float) -> int:
-    """Block until SIGTERM/SIGINT, then shut down gracefully; returns the process exit code (0)."""
-    wait_for_signal(grace)
-    srv.shutdown(grace).wait()
-    return 0

@@ -15,7 +15,7 @@ from modeserve.proto.v1 import admin_pb2_grpc
 from modeserve.service.router.admin_servicer import ADMIN_SERVICE, AdminServicer
 from modeserve.service.router.dispatch import Dispatcher
 from modeserve.service.router.rank_table import RankTable
-from modeserve.service.rpc.aio_server import AioServer, EventLoopThread
+from modeserve.service.rpc.grpc_server import EventLoopThread, GrpcServer
 
 
 def no_engine(rank: int, address: str, on_failure: Any) -> Any:
@@ -26,7 +26,7 @@ def no_engine(rank: int, address: str, on_failure: Any) -> Any:
 def router() -> Iterator[str]:
     table = RankTable(no_engine, Dispatcher(), health_interval=0.05)
     events = EventLoopThread()
-    server = AioServer(events, "127.0.0.1:0",
+    server = GrpcServer(events, "127.0.0.1:0",
                        [lambda s: admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(table), s)], [ADMIN_SERVICE])
     try:
         yield f"127.0.0.1:{server.port}"

@@ -40,4 +40,4 @@ def test_graph_decode_beside_an_idle_rank(tmp_path: Path) -> None:
         client.close()
         app.stop(grace=1)
         for s in servers:
-            s.server.stop(1)
+            s.stop(1)

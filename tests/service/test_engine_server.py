@@ -34,8 +34,7 @@ from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from modeserve.service.rpc.convert import batch_to_proto, result_from_proto
-from modeserve.service.rpc.engine_server import ENGINE_SERVICE, create_engine_server
-from modeserve.service.rpc.grpc_server import GrpcServer
+from modeserve.service.rpc.engine_server import ENGINE_SERVICE, EngineServer, create_engine_server
 from tests.engine.tiny_models import make_tiny_model, mixed_prompts
 
 ENGINE_KWARGS: dict[str, object] = dict(page_size=4, kv_cache_tokens=1024, max_running_requests=6,
@@ -56,14 +55,14 @@ def runner(model_dir: Path) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def server(runner: ModelRunner, model_dir: Path) -> Iterator[GrpcServer]:
+def server(runner: ModelRunner, model_dir: Path) -> Iterator[EngineServer]:
     srv = create_engine_server(runner, "127.0.0.1:0", model_path=str(model_dir), dp_rank=3)
     yield srv
-    srv.shutdown(0).wait()
+    srv.stop(0)
 
 
 @pytest.fixture(scope="module")
-def channel(server: GrpcServer) -> Iterator[grpc.Channel]:
+def channel(server: EngineServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         yield ch
 
@@ -242,7 +241,7 @@ def test_drain_refuses_new_streams_and_lets_running_ones_finish(runner: ModelRun
             second = stub.Drain(engine_pb2.DrainRequest())
             assert (second.drained, second.active_streams) == (True, 0)
     finally:
-        srv.shutdown(0).wait()
+        srv.stop(0)
 
 
 def test_engine_command_serves_and_exits_cleanly_on_sigterm(model_dir: Path, tmp_path: Path) -> None:

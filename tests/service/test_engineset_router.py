@@ -21,8 +21,7 @@ from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.proto.v1 import admin_pb2, admin_pb2_grpc
 from modeserve.service.rpc.client import GenerateClient
-from modeserve.service.rpc.engine_server import create_engine_server
-from modeserve.service.rpc.grpc_server import GrpcServer
+from modeserve.service.rpc.engine_server import EngineServer, create_engine_server
 from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.engineset_cluster import (Cluster, WatchEmulator, cluster,  # noqa: F401  (a fixture)
@@ -34,13 +33,13 @@ pytestmark = pytest.mark.kmock(cls=WatchEmulator)
 
 # ---- end to end: a router over in-process engines, ranks from the EngineSet ---------------------
 @pytest.fixture(scope="module")
-def engines(tiny_model: Path) -> Iterator[list[GrpcServer]]:
+def engines(tiny_model: Path) -> Iterator[list[EngineServer]]:
     config = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=1024)
     servers = [create_engine_server(ModelRunner(config.runner, open_checkpoint(tiny_model)), "127.0.0.1:0",
                                     model_path=str(tiny_model), dp_rank=r) for r in range(2)]
     yield servers
     for srv in servers:
-        srv.shutdown(0).wait()
+        srv.stop(0)
 
 
 def extends(app: Any) -> dict[int, int]:
@@ -50,7 +49,7 @@ def extends(app: Any) -> dict[int, int]:
 
 
 @pytest.mark.asyncio
-async def test_router_without_engines_follows_the_engineset(cluster: Cluster, engines: list[GrpcServer]) -> None:
+async def test_router_without_engines_follows_the_engineset(cluster: Cluster, engines: list[EngineServer]) -> None:
     addresses = [f"127.0.0.1:{srv.port}" for srv in engines]
     await cluster.create([status_entry(r, "Ready", address=a) for r, a in enumerate(addresses)])
     app = await asyncio.to_thread(start_remote_router, "127.0.0.1:0", [], None,

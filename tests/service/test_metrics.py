@@ -46,7 +46,7 @@ def engine_and_router(tiny_model: Path):  # type: ignore[no-untyped-def]
         SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5), metrics_port=0))
     yield engine, app
     app.stop(grace=1)
-    engine.server.stop(1)
+    engine.stop(1)
 
 
 def test_router_and_engine_metrics_agree_by_mode(engine_and_router) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ def test_router_and_engine_metrics_agree_by_mode(engine_and_router) -> None:  # 
     client = GenerateClient(f"127.0.0.1:{app.port}")
     prompts = mixed_prompts(12, COMMON["vocab_size"], seed=41, max_len=60)
     outs = generate_all(client, prompts, 6)
-    router, eng = scrape(app.metrics.port), scrape(engine.metrics_port)
+    router, eng = scrape(app.metrics.port), scrape(engine.metrics.port)
     steps_r = by_mode(router, "modeserve_forward_steps_total", dp_rank="0")
     steps_e = by_mode(eng, "modeserve_forward_steps_total", dp_rank="0")
     stats = app.loops[0].scheduler.stats.get_stats()

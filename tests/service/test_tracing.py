@@ -85,7 +85,7 @@ def test_one_trace_from_client_to_engine(receiver: Receiver, tiny_model: Path) -
     tokens = [t for msg in stub.Generate(req, metadata=list(carrier.items())) for t in msg.token_ids]
     assert len(tokens) == 4
     app.stop(grace=1)  # flushes the router's spans
-    engine.server.stop(1)
+    engine.stop(1)
     deadline = time.time() + 10
     count = lambda name: sum(1 for _, s in receiver.spans if s.name == name)  # noqa: E731
     while time.time() < deadline and not 0 < count("modeserve.step") <= count("modeserve.forward"):
