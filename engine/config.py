@@ -70,8 +70,21 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     max_running_requests: int = 256
     random_seed: int = 0  # seeds the per-request seeds drawn for unseeded requests
+    # speculative decoding: None, or "ngram" (prompt lookup: drafts from the request's own tokens)
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 4  # k: draft tokens per request per TARGET_VERIFY step
+    speculative_ngram_min: int = 1  # the shortest suffix an n-gram draft matches on
+    speculative_ngram_max: int = 3  # the longest (tried first)
 
     def __post_init__(self) -> None:
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"speculative_algorithm must be None or 'ngram' (\"draft\" is not built yet), "
+                             f"got {self.speculative_algorithm!r}")
+        if self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(f"speculative_ngram_min/max need 1 <= min <= max, got "
+                             f"{self.speculative_ngram_min}/{self.speculative_ngram_max}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         if not 0.0 < self.max_prefill_ratio <= 1.0:

@@ -72,6 +72,16 @@ class ForwardBatch:
     def num_samples(self) -> int:
         return int(self.sample_mask.sum())
 
+    def sample_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows sampled: (token index [S], request slot [S], position of the token sampled [S]);
+        one a request with ``sample_mask`` set (after its last token), or every token of a
+        TARGET_VERIFY step."""
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
+            return (np.arange(self.num_tokens, dtype=np.int64), np.repeat(self.req_pool_indices, self.extend_lens),
+                    self.positions + 1)
+        mask = self.sample_mask
+        return (np.cumsum(self.extend_lens) - 1)[mask], self.req_pool_indices[mask], self.seq_lens[mask]
+
     @classmethod
     def idle(cls, step: int = 0) -> ForwardBatch:
         empty = np.zeros(0, dtype=np.int64)
@@ -86,5 +96,9 @@ class ForwardResult:
     logprobs: np.ndarray | None = None  # [S] float32, chosen token
     top_logprob_ids: np.ndarray | None = None  # [S, n] int64
     top_logprob_values: np.ndarray | None = None  # [S, n] float32
+    # TARGET_VERIFY: next_token_ids is the target's token after every input token [T]; request r keeps
+    # its first accepted_lengths[r] drafts and the token after them (its run's first
+    # accepted_lengths[r] + 1 tokens)
+    accepted_lengths: np.ndarray | None = None  # [B] int64
     cuda_graph_bucket: int | None = None  # the CUDA-graph bucket the step replayed; None: it ran eagerly
     forward_seconds: float = 0.0  # the engine's time for the step (set where the step loop times it)

@@ -49,7 +49,8 @@ MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
     ForwardMode.DECODE: ModeTraits(False, True, True, True, True, "one new token per running request"),
     ForwardMode.MIXED: ModeTraits(True, False, False, True, True, "a prefill chunk together with decodes"),
     ForwardMode.IDLE: ModeTraits(False, True, True, False, True, "a lockstep DP rank with no work"),
-    ForwardMode.TARGET_VERIFY: ModeTraits(False, True, True, True, False, "speculative decoding: verify drafts"),
+    # k + 1 queries a request (the attention backends plan it as an extend); eager until its graphs land
+    ForwardMode.TARGET_VERIFY: ModeTraits(False, True, False, True, True, "speculative decoding: verify drafts"),
     ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
     ForwardMode.DLLM_EXTEND: ModeTraits(True, False, True, True, False, "diffusion LM block denoising"),
     ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, False, "a prefill run a slice of layers per step"),

@@ -18,7 +18,7 @@ from ..forward_batch import ForwardBatch, ForwardResult
 from ..forward_mode import ForwardMode
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
-from . import sampler
+from . import sampler, spec_accept
 from .cuda_graph_runner import CudaGraphRunner
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
@@ -52,6 +52,7 @@ class ModelRunner:
         self._inputs_consumed: torch.cuda.Event | None = None
         self._graph_bucket: int | None = None  # the bucket the step being launched replays (None: eager)
         self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
+        self._input_ids: torch.Tensor | None = None  # the eager step's input ids (on the device)
         self._init_model(ckpt, progress)
         self._init_memory()
         self._init_attention()
@@ -141,7 +142,7 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:
             return self._replay(batch, bucket)
-        sample_idx_np = (np.cumsum(batch.extend_lens) - 1)[batch.sample_mask]  # [S]
+        sample_idx_np = batch.sample_rows()[0]  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
@@ -149,6 +150,7 @@ class ModelRunner:
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
+        self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
         pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
         if pieces is not None and bucket is not None:  # the model in captured pieces, attention eager
@@ -211,11 +213,13 @@ class ModelRunner:
         if logits.shape[0] == 0:
             empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
             return PendingResult([], lambda _: empty)
-        slots = batch.req_pool_indices[batch.sample_mask]
-        seq_lens = batch.seq_lens[batch.sample_mask]
+        _, slots, seq_lens = batch.sample_rows()
         slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
+        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
         if self.slots.is_plain_greedy(slots):
             next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
+            if verify:
+                return self._accept(batch, next_ids, [])
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
         logits = logits.float()  # sampling and log-probabilities in fp32 (greedy needs no conversion)
@@ -227,6 +231,9 @@ class ModelRunner:
             logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
         next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
         self.slots.last_token[slots_dev] = next_ids
+        if verify:
+            return self._accept(batch, next_ids, list(sampler.compute_logprobs(raw, next_ids, st.max_top_n))
+                                if want_logprobs else [])
         if not want_logprobs:
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
         lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)
@@ -235,6 +242,26 @@ class ModelRunner:
             lambda h: ForwardResult(next_token_ids=h[0], logprobs=h[1], top_logprob_ids=h[2],
                                     top_logprob_values=h[3], cuda_graph_bucket=bucket),
         )
+
+    def _accept(self, batch: ForwardBatch, next_ids: torch.Tensor,
+                logprobs: list[torch.Tensor]) -> PendingResult[ForwardResult]:
+        """A verify step's result: the target's token after every input token, each drawn as a
+        non-speculative step would draw it, and how many drafts each request keeps (those equal to
+        the target's token before them: for one-hot drafts, rejection sampling exactly). The
+        request's last kept token goes to ``last_token``."""
+        starts = np.cumsum(batch.extend_lens) - batch.extend_lens
+        runs, starts_dev, slots = upload([np.repeat(np.arange(batch.batch_size), batch.extend_lens), starts,
+                                          batch.req_pool_indices], self.device)
+        assert self._input_ids is not None  # a verify step runs eagerly
+        accepted = spec_accept.accepted_in_runs(next_ids, self._input_ids, runs, starts_dev)
+        self.slots.last_token[slots] = next_ids[starts_dev + accepted]
+        bucket = self._graph_bucket
+
+        def build(h: list[np.ndarray]) -> ForwardResult:
+            lp: list[np.ndarray | None] = [*h[2:]] if logprobs else [None, None, None]
+            return ForwardResult(next_token_ids=h[0], accepted_lengths=h[1], logprobs=lp[0], top_logprob_ids=lp[1],
+                                 top_logprob_values=lp[2], cuda_graph_bucket=bucket)
+        return PendingResult([next_ids, accepted, *logprobs], build)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         return self.launch(batch).result()

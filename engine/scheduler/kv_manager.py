@@ -69,6 +69,19 @@ class KVManager:
         req.kv_locs.extend(slots)
         return slots
 
+    def truncate(self, req: Req, n: int) -> None:
+        """Keep the KV of ``req``'s first ``n`` tokens and give back the slots after them (a verify
+        step's rejected drafts): the pages no kept token uses return to the pool; the rest of the
+        last kept page stays the request's, for its next tokens."""
+        tail = req.kv_locs[n:]
+        if not tail:
+            return
+        del req.kv_locs[n:]
+        pages = self.pool.pages_of(tail)
+        if n % self.page_size:
+            pages = [p for p in pages if p != req.kv_locs[-1] // self.page_size]
+        self.pool.free(pages)
+
     def cache_prefix(self, req: Req) -> SlotUpdate | None:
         """Share a running request's computed page-aligned prefix through the cache.
 

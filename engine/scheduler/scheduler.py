@@ -22,6 +22,7 @@ from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
 from .kv_manager import KVManager
+from .speculative import NgramDrafter, kept_runs, verify_arrays
 from .stats import ForwardModeStats
 from .stop import StopChecker
 
@@ -81,6 +82,7 @@ class Scheduler:
         self._admissions: list[ReqAdmission] = []
         self.rng = random.Random(cfg.random_seed)
         self.step_no = 0
+        self.drafter = NgramDrafter(cfg, max_context) if cfg.speculative_algorithm == "ngram" else None
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -133,7 +135,8 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledStep | None:
         self.step_no += 1
-        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)]
+        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)
+                   and not (self.drafter is not None and PLACEHOLDER in r.output_ids[-1:])]  # one verify at a time
         extends: list[_Item] = []
         chunk = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
         can_prefill = bool(self.waiting) or any(not r.prefill_done for r in self.running)
@@ -147,6 +150,8 @@ class Scheduler:
             extends = self._take_prefill(chunk, keep_free_pages=len(decodes))
             if extends:
                 return self._build(extends, [])
+        if decodes and self.drafter is not None:
+            return self._build_verify(decodes)
         if decodes:
             return self._build([], self._reserve_decode(decodes))
         if any(not r.prefill_done for r in self.running):
@@ -202,11 +207,12 @@ class Scheduler:
             ids = np.asarray(req.tokens(0, hit), dtype=np.int64)
             self.pending_updates.append(SlotUpdate(req.req_pool_idx, 0, locs, ids))
 
-    def _reserve_decode(self, decodes: list[Req]) -> list[Req]:
-        """One KV slot per decoding request, oldest first; retract the newest when memory runs out."""
+    def _reserve_decode(self, decodes: list[Req], lengths: list[int] | None = None) -> list[Req]:
+        """One KV slot per decoding request (``lengths``: so many), oldest first; retract the newest
+        when memory runs out."""
         ready: list[Req] = []
-        for req in decodes:
-            while req.status == ReqStatus.RUNNING and self.kv.alloc(req, 1) is None:
+        for req, n in zip(decodes, lengths or [1] * len(decodes)):
+            while req.status == ReqStatus.RUNNING and self.kv.alloc(req, n) is None:
                 self._retract(self.running[-1])
             if req.status == ReqStatus.RUNNING:
                 ready.append(req)
@@ -265,6 +271,28 @@ class Scheduler:
                         len(self.running), len(self.waiting))
         return ScheduledStep(batch, reqs, tuple(samples))
 
+    def _build_verify(self, decodes: list[Req]) -> ScheduledStep | None:
+        """A TARGET_VERIFY step: each decoding request's last token and its drafts."""
+        assert self.drafter is not None
+        proposals = {r.rid: self.drafter.propose(r) for r in decodes}
+        reqs = self._reserve_decode(decodes, [1 + len(proposals[r.rid]) for r in decodes])
+        if not reqs:
+            return None
+        drafts = [proposals[r.rid] for r in reqs]
+        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
+                             admissions=tuple(self._admissions), slot_updates=tuple(self.pending_updates),
+                             step=self.step_no, **verify_arrays(reqs, drafts))
+        self._admissions.clear()
+        self.pending_updates.clear()
+        samples = []
+        for req in reqs:  # one placeholder stands for the run the step emits
+            samples.append(_Sample(req, len(req.output_ids), False))
+            req.output_ids.append(PLACEHOLDER)
+        self.stats.record(ForwardMode.TARGET_VERIFY, batch.batch_size, batch.num_tokens)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_draft_tokens += sum(map(len, drafts))
+        return ScheduledStep(batch, tuple(reqs), tuple(samples))
+
     @staticmethod
     def _extend_arrays(items: list[_Item]) -> dict[str, Any]:
         ids: list[int] = []
@@ -288,6 +316,8 @@ class Scheduler:
         With overlap the next step may already be scheduled: a request can hold a further
         placeholder, which is dropped if this token finishes it.
         """
+        if step.batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            return self._process_verify(step, result)
         events: list[ReqEvent] = []
         tokens = result.next_token_ids.tolist()  # Python ints at once, not a numpy scalar per row
         for i, sample in enumerate(step.samples):
@@ -310,6 +340,39 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req, reason)
             events.append(ReqEvent(req, (token,), req.finished))
+        return events
+
+    def _process_verify(self, step: ScheduledStep, result: ForwardResult) -> list[ReqEvent]:
+        """Each request's placeholder becomes its run (kept drafts + the target's token), token by token
+        through the stop checks; the KV of what it did not keep goes back first, so only kept tokens
+        are ever cached."""
+        assert result.accepted_lengths is not None
+        events: list[ReqEvent] = []
+        runs = kept_runs(result.next_token_ids.tolist(), result.accepted_lengths.tolist(),
+                         step.batch.extend_lens.tolist())
+        starts = (np.cumsum(step.batch.extend_lens) - step.batch.extend_lens).tolist()
+        for sample, (kept, run), first_row in zip(step.samples, runs, starts):
+            req, at = sample.req, sample.output_index
+            if req.finished:
+                continue
+            self.stats.spec_accepted_tokens += kept
+            if req.status == ReqStatus.RUNNING:
+                self.kv.truncate(req, len(req.prompt_ids) + at + kept)
+            req.output_ids[at : at + 1] = run
+            emitted = 0
+            for j in range(len(run)):
+                emitted += 1
+                self._record_logprobs(req, result, first_row + j)
+                reason = self.stop.check(req, at + j + 1)
+                if reason is not None:
+                    del req.output_ids[at + j + 1 :]
+                    if req.status == ReqStatus.RUNNING:
+                        self._release(req)
+                    else:
+                        self.waiting.remove(req)
+                    self._finish(req, reason)
+                    break
+            events.append(ReqEvent(req, tuple(run[:emitted]), req.finished))
         return events
 
     def _record_logprobs(self, req: Req, result: ForwardResult, row: int) -> None:

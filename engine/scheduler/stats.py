@@ -27,6 +27,9 @@ class ForwardModeStats:
         self.mode_time_buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1))
         self.num_retractions = 0
         self.num_prefix_hit_tokens = 0
+        self.spec_draft_tokens = 0  # drafts proposed to TARGET_VERIFY steps
+        self.spec_accepted_tokens = 0  # of those, the ones the target kept
+        self.spec_verify_steps = 0
 
     def record(self, mode: ForwardMode, batch_size: int, num_tokens: int, seconds: float = 0.0) -> None:
         self.mode_counts[mode.name] += 1
@@ -65,4 +68,6 @@ class ForwardModeStats:
             "seconds_by_mode": {k: round(v, 6) for k, v in self.mode_seconds.items()},
             "num_retractions": self.num_retractions,
             "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "speculative": {"draft_tokens": self.spec_draft_tokens, "accepted_tokens": self.spec_accepted_tokens,
+                            "verify_steps": self.spec_verify_steps},
         }

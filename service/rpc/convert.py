@@ -246,6 +246,8 @@ def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:
                                   forward_seconds=r.forward_seconds)
     if r.cuda_graph_bucket is not None:
         m.cuda_graph_bucket = r.cuda_graph_bucket
+    if r.accepted_lengths is not None:
+        m.accepted_lengths = _pack(r.accepted_lengths, _I64)
     if r.logprobs is not None:
         m.logprobs = _pack(r.logprobs, _F32)
         if r.top_logprob_ids is not None and r.top_logprob_values is not None:
@@ -259,8 +261,10 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
     """Decode an engine's answer; ``ValueError`` when its arrays disagree in length."""
     next_ids = _unpack(m.next_token_ids, _I64, "next_token_ids")
     bucket = m.cuda_graph_bucket if m.HasField("cuda_graph_bucket") else None
+    accepted = _unpack(m.accepted_lengths, _I64, "accepted_lengths") if m.accepted_lengths else None
     if not m.logprobs:
-        return ForwardResult(next_token_ids=next_ids, cuda_graph_bucket=bucket, forward_seconds=m.forward_seconds)
+        return ForwardResult(next_token_ids=next_ids, cuda_graph_bucket=bucket, forward_seconds=m.forward_seconds,
+                             accepted_lengths=accepted)
     num_samples = next_ids.shape[0]
     logprobs = _unpack(m.logprobs, _F32, "logprobs")
     if logprobs.shape[0] != num_samples:
@@ -279,6 +283,7 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
         top_logprob_values=top_values.reshape(num_samples, m.top_n),
         cuda_graph_bucket=bucket,
         forward_seconds=m.forward_seconds,
+        accepted_lengths=accepted,
     )
 
 

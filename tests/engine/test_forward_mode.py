@@ -16,7 +16,7 @@ def test_numbers_follow_sglang() -> None:
 
 def test_traits_table_covers_every_mode() -> None:
     assert set(MODE_TRAITS) == set(ForwardMode)
-    assert [m.name for m in ForwardMode if m.traits.supported] == ["EXTEND", "DECODE", "MIXED", "IDLE"]
+    assert [m.name for m in ForwardMode if m.traits.supported] == ["EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY"]
     assert ForwardMode.DECODE.traits.uses_cuda_graph and not ForwardMode.MIXED.traits.uses_cuda_graph
     assert ForwardMode.EXTEND.traits.is_extend and ForwardMode.MIXED.traits.is_extend
     assert not ForwardMode.IDLE.traits.samples
@@ -31,6 +31,6 @@ def test_determine_forward_mode(num_extend: int, num_decode: int, mode: ForwardM
 
 
 def test_unsupported_mode_message_names_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match="TARGET_VERIFY is not implemented.*EXTEND, DECODE, MIXED, IDLE"):
-        ForwardMode.TARGET_VERIFY.require_supported()
+    with pytest.raises(ValueError, match="DRAFT_EXTEND is not implemented.*EXTEND, DECODE, MIXED, IDLE, TARGET_VERIFY"):
+        ForwardMode.DRAFT_EXTEND.require_supported()
     ForwardMode.MIXED.require_supported()

@@ -133,9 +133,9 @@ def test_overlap_placeholder_and_known_unsupported_mode_convert(batches: list[Fo
     ids = np.frombuffer(m.input_ids, dtype="<i8").copy()
     ids[:] = -1
     m.input_ids = ids.tobytes()
-    m.forward_mode = forward_pb2.FORWARD_MODE_TARGET_VERIFY
+    m.forward_mode = forward_pb2.FORWARD_MODE_DRAFT_EXTEND
     got = batch_from_proto(m, LIMITS)
-    assert got.forward_mode == ForwardMode.TARGET_VERIFY and got.input_ids.tolist() == [-1] * decode.num_tokens
+    assert got.forward_mode == ForwardMode.DRAFT_EXTEND and got.input_ids.tolist() == [-1] * decode.num_tokens
 
 
 def test_admission_sampling_maps_to_slot_sampling(batches: list[ForwardBatch]) -> None:

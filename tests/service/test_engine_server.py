@@ -169,8 +169,8 @@ def malformed(desc: engine_pb2.EngineDescription) -> dict[str, tuple[forward_pb2
     m.forward_mode = 99
     cases["unknown_mode"] = (m, "forward_mode")
     m = first_batch(desc)
-    m.forward_mode = forward_pb2.FORWARD_MODE_TARGET_VERIFY
-    cases["target_verify"] = (m, "TARGET_VERIFY")
+    m.forward_mode = forward_pb2.FORWARD_MODE_DRAFT_EXTEND
+    cases["draft_extend"] = (m, "DRAFT_EXTEND")
     return cases
 
 

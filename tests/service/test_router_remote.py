@@ -55,6 +55,25 @@ def test_64_streams_over_remote_engines_equal_llm_generate(engines: list[str], t
         app.stop(grace=1)
 
 
+def test_ngram_speculative_streams_over_a_remote_engine_equal_llm_generate(engines: list[str],
+                                                                          tiny_model: Path) -> None:
+    """The router's scheduler proposes n-gram drafts, the remote engine verifies them (TARGET_VERIFY
+    over the wire: the accepted lengths come back in the ForwardResult)."""
+    app = start_remote_router("127.0.0.1:0", engines[:1], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=32, speculative_algorithm="ngram")))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        prompts = [p * 3 for p in mixed_prompts(32, COMMON["vocab_size"], seed=9, max_len=12)]  # repeats: drafts
+        outs = generate_all(client, prompts, 16)
+        assert [o.token_ids for o in outs] == reference(tiny_model, prompts, 16)
+        stats = app.loops[0].scheduler.stats.get_stats()
+        assert stats["mode_distribution"].get("TARGET_VERIFY", 0) > 0 and "DECODE" not in stats["mode_distribution"]
+        assert stats["speculative"]["accepted_tokens"] > 0
+    finally:
+        client.close()
+        app.stop(grace=1)
+
+
 def test_router_command(engines: list[str], tiny_model: Path) -> None:
     proc, addr = spawn("router", "--engines", engines[0], "--host", "127.0.0.1", "--port", "0")
     client = GenerateClient(addr)
