@@ -9,6 +9,7 @@ batch is a ``ValueError`` naming the field instead of a device fault or a corrup
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterable, NamedTuple
 
 import numpy as np
@@ -259,13 +260,14 @@ def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:
 
 def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
     """Decode an engine's answer; ``ValueError`` when its arrays disagree in length."""
-    next_ids = _unpack(m.next_token_ids, _I64, "next_token_ids")
-    bucket = m.cuda_graph_bucket if m.HasField("cuda_graph_bucket") else None
-    accepted = _unpack(m.accepted_lengths, _I64, "accepted_lengths") if m.accepted_lengths else None
+    out = ForwardResult(
+        next_token_ids=_unpack(m.next_token_ids, _I64, "next_token_ids"),
+        accepted_lengths=_unpack(m.accepted_lengths, _I64, "accepted_lengths") if m.accepted_lengths else None,
+        cuda_graph_bucket=m.cuda_graph_bucket if m.HasField("cuda_graph_bucket") else None,
+        forward_seconds=m.forward_seconds)
     if not m.logprobs:
-        return ForwardResult(next_token_ids=next_ids, cuda_graph_bucket=bucket, forward_seconds=m.forward_seconds,
-                             accepted_lengths=accepted)
-    num_samples = next_ids.shape[0]
+        return out
+    num_samples = out.next_token_ids.shape[0]
     logprobs = _unpack(m.logprobs, _F32, "logprobs")
     if logprobs.shape[0] != num_samples:
         raise ValueError(f"logprobs has {logprobs.shape[0]} entries but next_token_ids has {num_samples}")
@@ -276,15 +278,8 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
     for name, arr in (("top_logprob_ids", top_ids), ("top_logprob_values", top_values)):
         if arr.shape[0] != num_samples * m.top_n:
             raise ValueError(f"{name} has {arr.shape[0]} entries, expected {num_samples} x top_n {m.top_n}")
-    return ForwardResult(
-        next_token_ids=next_ids,
-        logprobs=logprobs,
-        top_logprob_ids=top_ids.reshape(num_samples, m.top_n),
-        top_logprob_values=top_values.reshape(num_samples, m.top_n),
-        cuda_graph_bucket=bucket,
-        forward_seconds=m.forward_seconds,
-        accepted_lengths=accepted,
-    )
+    return replace(out, logprobs=logprobs, top_logprob_ids=top_ids.reshape(num_samples, m.top_n),
+                   top_logprob_values=top_values.reshape(num_samples, m.top_n))
 
 
 def mode_stats_to_proto(stats: Iterable[ForwardModeStats]) -> list[generate_pb2.ModeStat]:
