@@ -8,7 +8,7 @@ import json
 from typing import Any, Callable
 
 from ...engine.config import RunnerConfig
-from . import serving, streams
+from . import serving, speculative, streams
 from ..cli.engine_args import add_engine_args
 
 
@@ -35,6 +35,9 @@ def add_parser(sub: Any) -> None:
     many = kinds.add_parser("streams", help="N concurrent streams against serve, every status code counted")
     streams.add_arguments(many)
     many.set_defaults(func=_json_bench("streams"))
+    spec = kinds.add_parser("speculative", help="n-gram speculative decoding vs plain, input-grounded prompts (CPU)")
+    speculative.add_arguments(spec)
+    spec.set_defaults(func=_json_bench("speculative"))
     tr = kinds.add_parser("tracing", help="decode step with tracing on (100% sampled, OTLP) vs off")
     tr.add_argument("--model", default=None, help="HF folder (default: a random model of --shape)")
     tr.add_argument("--shape", default="tiny")

@@ -1,0 +1,19 @@
+"""``modeserve bench speculative`` on the default model (real SmolLM2 weights): its JSON line, the
+n-gram outputs equal to plain greedy ones, and drafts accepted on a passage-copying prompt."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_speculative_reports_equal_outputs_and_accepted_drafts() -> None:
+    done = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "bench", "speculative", "--batch-sizes", "1",
+                           "--new-tokens", "12"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    (row,) = line["results"]
+    assert line["bench"] == "speculative" and row["outputs_equal"] is True and row["output_tokens"] == 12
+    assert row["accepted_tokens"] > 0 and row["acceptance_length"] > 1.0
+    assert row["plain_tok_s"] > 0 and row["ngram_tok_s"] > 0
