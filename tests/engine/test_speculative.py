@@ -96,6 +96,17 @@ def test_ngram_sampling_is_token_for_token_the_plain_sampler(qwen: Path, name: s
     assert llm.stats()["speculative"]["verify_steps"] > 0
 
 
+def test_ngram_greedy_with_mixed_steps(qwen: Path) -> None:
+    """Prefill chunks riding with decodes (MIXED) while other requests verify drafts."""
+    kwargs = dict(page_size=4, chunked_prefill_size=8, enable_mixed=True, max_prefill_ratio=0.5)
+    want = [o.token_ids for o in LLM(model=str(qwen), **{**BASE, **kwargs}).generate(
+        prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+    llm = spec_llm(qwen, **kwargs)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == want
+    stats = llm.stats()
+    assert stats["mode_distribution"].get("MIXED", 0) > 0 and stats["speculative"]["accepted_tokens"] > 0
+
+
 def test_stop_tokens_give_the_plain_streams(qwen: Path) -> None:
     plain = LLM(model=str(qwen), **BASE)
     free = [o.token_ids for o in plain.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
