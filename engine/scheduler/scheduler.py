@@ -272,9 +272,12 @@ class Scheduler:
         return ScheduledStep(batch, reqs, tuple(samples))
 
     def _build_verify(self, decodes: list[Req]) -> ScheduledStep | None:
-        """A TARGET_VERIFY step: each decoding request's last token and its drafts."""
+        """A TARGET_VERIFY step: each decoding request's last token and its drafts (a plain DECODE step,
+        which replays CUDA graphs, when no request has a draft)."""
         assert self.drafter is not None
         proposals = {r.rid: self.drafter.propose(r) for r in decodes}
+        if not any(proposals.values()):
+            return self._build([], self._reserve_decode(decodes))
         reqs = self._reserve_decode(decodes, [1 + len(proposals[r.rid]) for r in decodes])
         if not reqs:
             return None

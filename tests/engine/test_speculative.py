@@ -61,7 +61,6 @@ def test_ngram_greedy_equals_plain_greedy_and_transformers(arch: tuple[Path, lis
     spec = stats["speculative"]
     assert stats["mode_distribution"].get("TARGET_VERIFY", 0) == spec["verify_steps"] > 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
-    assert "DECODE" not in stats["mode_distribution"]  # every decode became a verify
     if variant == "prefix_hits":
         assert stats["num_prefix_hit_tokens"] > 0
     if variant == "preempted":
