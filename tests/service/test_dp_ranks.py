@@ -3,6 +3,7 @@ SIGKILL, draining, ranks added at run time, lockstep with IDLE steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import threading
@@ -47,10 +48,10 @@ def stop_engines(procs: list[tuple[subprocess.Popen[str], str]]) -> None:
 def router_over(tiny_model: Path) -> Iterator[Callable[..., tuple[RouterApp, GenerateClient, list]]]:
     made: list[tuple[RouterApp, GenerateClient, list]] = []
 
-    def make(n: int, **kw: object) -> tuple[RouterApp, GenerateClient, list]:
+    def make(n: int, sched: SchedulerConfig = SCHED, **kw: object) -> tuple[RouterApp, GenerateClient, list]:
         procs = start_engines(tiny_model, n)
         app = start_remote_router("127.0.0.1:0", [a for _, a in procs], None,
-                                  RemoteRouterConfig(SCHED, **kw))  # type: ignore[arg-type]
+                                  RemoteRouterConfig(sched, **kw))  # type: ignore[arg-type]
         client = GenerateClient(f"127.0.0.1:{app.port}")
         made.append((app, client, procs))
         return app, client, procs
@@ -87,9 +88,15 @@ def test_three_ranks_48_streams_and_prefix_dispatch(router_over: Callable, tiny_
     assert sorted(gained)[:2] == [0, 0] and max(gained) >= 6 * 48  # all hits on one rank
 
 
-def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path) -> None:
-    app, client, procs = router_over(3, dispatch="round-robin")
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, speculative: str | None) -> None:
+    """With n-gram drafts too: a request moved to another rank mid-run keeps what was delivered (its
+    accepted runs included) and goes on without a gap or a repeat."""
+    sched = dataclasses.replace(SCHED, speculative_algorithm=speculative)
+    app, client, procs = router_over(3, sched=sched, dispatch="round-robin")
     prompts = mixed_prompts(24, COMMON["vocab_size"], seed=22, max_len=30)
+    if speculative:
+        prompts = [p * 2 for p in prompts]  # repeats: prompt lookup finds drafts
     max_new = 120
     expect = reference(tiny_model, prompts, max_new)
     started = threading.Event()
@@ -116,6 +123,8 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     assert victim.wait(timeout=10) == -signal.SIGKILL
     assert all(o is not None and o.finish_reason == "length" for o in outs)
     assert [o.token_ids for o in outs if o is not None] == expect  # none lost, none duplicated
+    if speculative:
+        assert sum(lp.scheduler.stats.spec_accepted_tokens for lp in app.loops) > 0
     states = {s.rank: s.state for s in app.table.status()}
     assert states[1] == admin_pb2.RANK_STATE_GONE and states[0] == states[2] == admin_pb2.RANK_STATE_READY
     assert app.table.ranks()[1].loop is not None and app.table.ranks()[1].loop.error
