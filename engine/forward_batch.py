@@ -72,15 +72,19 @@ class ForwardBatch:
     def num_samples(self) -> int:
         return int(self.sample_mask.sum())
 
-    def sample_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows sampled: (token index [S], request slot [S], position of the token sampled [S]);
-        one a request with ``sample_mask`` set (after its last token), or every token of a
-        TARGET_VERIFY step."""
+    def sample_token_index(self) -> np.ndarray:
+        """[S] the tokens whose logits are sampled: a request's last with ``sample_mask`` set, or every
+        token of a TARGET_VERIFY step."""
         if self.forward_mode == ForwardMode.TARGET_VERIFY:
-            return (np.arange(self.num_tokens, dtype=np.int64), np.repeat(self.req_pool_indices, self.extend_lens),
-                    self.positions + 1)
+            return np.arange(self.num_tokens, dtype=np.int64)
+        return (np.cumsum(self.extend_lens) - 1)[self.sample_mask]
+
+    def sample_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request slot [S], position of the token sampled [S]) of each ``sample_token_index`` row."""
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
+            return np.repeat(self.req_pool_indices, self.extend_lens), self.positions + 1
         mask = self.sample_mask
-        return (np.cumsum(self.extend_lens) - 1)[mask], self.req_pool_indices[mask], self.seq_lens[mask]
+        return self.req_pool_indices[mask], self.seq_lens[mask]
 
     @classmethod
     def idle(cls, step: int = 0) -> ForwardBatch:

@@ -142,7 +142,7 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if bucket is not None:
             return self._replay(batch, bucket)
-        sample_idx_np = batch.sample_rows()[0]  # [S]
+        sample_idx_np = batch.sample_token_index()  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
@@ -213,7 +213,7 @@ class ModelRunner:
         if logits.shape[0] == 0:
             empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
             return PendingResult([], lambda _: empty)
-        _, slots, seq_lens = batch.sample_rows()
+        slots, seq_lens = batch.sample_rows()
         slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
         verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
         if self.slots.is_plain_greedy(slots):

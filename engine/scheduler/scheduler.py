@@ -22,7 +22,7 @@ from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
 from .kv_manager import KVManager
-from .speculative import NgramDrafter, kept_runs, verify_arrays
+from .speculative import NgramDrafter, verify_arrays
 from .stats import ForwardModeStats
 from .stop import StopChecker
 
@@ -234,13 +234,18 @@ class Scheduler:
         req.req_pool_idx = -1
         req.prefill_done = False
 
-    def _build(self, extends: list[_Item], decodes: list[Req]) -> ScheduledStep | None:
+    def _build(self, extends: list[_Item], decodes: list[Req],
+               drafts: list[list[int]] | None = None) -> ScheduledStep | None:
+        """The step's batch; with ``drafts`` (one list a decode) a TARGET_VERIFY step, in which one
+        placeholder a request stands for the run of tokens it emits."""
         if not extends and not decodes:
             return None
-        mode = determine_forward_mode(len(extends), len(decodes))
+        mode = determine_forward_mode(len(extends), len(decodes)) if drafts is None else ForwardMode.TARGET_VERIFY
         reqs = tuple([it.req for it in extends] + decodes)
         arrays: dict[str, Any]  # ForwardBatch's array fields
-        if extends:
+        if drafts is not None:
+            arrays = verify_arrays(decodes, drafts)
+        elif extends:
             arrays = self._extend_arrays(extends + [_Item(r, r.num_computed - 1, 1) for r in decodes])
         else:  # a decode step (one step a few milliseconds, every request in it): plain lists
             pos = [r.num_computed - 1 for r in decodes]
@@ -279,22 +284,12 @@ class Scheduler:
         if not any(proposals.values()):
             return self._build([], self._reserve_decode(decodes))
         reqs = self._reserve_decode(decodes, [1 + len(proposals[r.rid]) for r in decodes])
-        if not reqs:
-            return None
         drafts = [proposals[r.rid] for r in reqs]
-        batch = ForwardBatch(ForwardMode.TARGET_VERIFY, np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
-                             admissions=tuple(self._admissions), slot_updates=tuple(self.pending_updates),
-                             step=self.step_no, **verify_arrays(reqs, drafts))
-        self._admissions.clear()
-        self.pending_updates.clear()
-        samples = []
-        for req in reqs:  # one placeholder stands for the run the step emits
-            samples.append(_Sample(req, len(req.output_ids), False))
-            req.output_ids.append(PLACEHOLDER)
-        self.stats.record(ForwardMode.TARGET_VERIFY, batch.batch_size, batch.num_tokens)
-        self.stats.spec_verify_steps += 1
-        self.stats.spec_draft_tokens += sum(map(len, drafts))
-        return ScheduledStep(batch, tuple(reqs), tuple(samples))
+        step = self._build([], reqs, drafts)
+        if step is not None:
+            self.stats.spec_verify_steps += 1
+            self.stats.spec_draft_tokens += sum(map(len, drafts))
+        return step
 
     @staticmethod
     def _extend_arrays(items: list[_Item]) -> dict[str, Any]:
@@ -334,49 +329,50 @@ class Scheduler:
                 if update is not None:
                     self.pending_updates.append(update)
             self._record_logprobs(req, result, i)
-            reason = self.stop.check(req, sample.output_index + 1)
-            if reason is not None:
-                del req.output_ids[sample.output_index + 1 :]
-                if req.status == ReqStatus.RUNNING:
-                    self._release(req)
-                else:
-                    self.waiting.remove(req)
-                self._finish(req, reason)
+            self._stop_after(req, sample.output_index + 1)
             events.append(ReqEvent(req, (token,), req.finished))
         return events
 
     def _process_verify(self, step: ScheduledStep, result: ForwardResult) -> list[ReqEvent]:
-        """Each request's placeholder becomes its run (kept drafts + the target's token), token by token
-        through the stop checks; the KV of what it did not keep goes back first, so only kept tokens
-        are ever cached."""
+        """Each request's placeholder becomes its run (kept drafts + the target's token after them),
+        token by token through the stop checks; the KV of what it did not keep goes back first, so only
+        kept tokens are ever cached."""
         assert result.accepted_lengths is not None
         events: list[ReqEvent] = []
-        runs = kept_runs(result.next_token_ids.tolist(), result.accepted_lengths.tolist(),
-                         step.batch.extend_lens.tolist())
-        starts = (np.cumsum(step.batch.extend_lens) - step.batch.extend_lens).tolist()
-        for sample, (kept, run), first_row in zip(step.samples, runs, starts):
-            req, at = sample.req, sample.output_index
+        tokens = result.next_token_ids.tolist()
+        ext = step.batch.extend_lens.tolist()
+        start = 0
+        for sample, kept, length in zip(step.samples, result.accepted_lengths.tolist(), ext):
+            req, at, first_row = sample.req, sample.output_index, start
+            start += length
             if req.finished:
                 continue
             self.stats.spec_accepted_tokens += kept
             if req.status == ReqStatus.RUNNING:
                 self.kv.truncate(req, len(req.prompt_ids) + at + kept)
+            run = tokens[first_row : first_row + kept + 1]
             req.output_ids[at : at + 1] = run
-            emitted = 0
             for j in range(len(run)):
-                emitted += 1
                 self._record_logprobs(req, result, first_row + j)
-                reason = self.stop.check(req, at + j + 1)
-                if reason is not None:
-                    del req.output_ids[at + j + 1 :]
-                    if req.status == ReqStatus.RUNNING:
-                        self._release(req)
-                    else:
-                        self.waiting.remove(req)
-                    self._finish(req, reason)
+                if self._stop_after(req, at + j + 1):
+                    run = run[: j + 1]
                     break
-            events.append(ReqEvent(req, tuple(run[:emitted]), req.finished))
+            events.append(ReqEvent(req, tuple(run), req.finished))
         return events
+
+    def _stop_after(self, req: Req, num_outputs: int) -> bool:
+        """Finish ``req`` if output ``num_outputs - 1`` stops it (the outputs after it dropped, its KV
+        released); whether it did."""
+        reason = self.stop.check(req, num_outputs)
+        if reason is None:
+            return False
+        del req.output_ids[num_outputs:]
+        if req.status == ReqStatus.RUNNING:
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return True
 
     def _record_logprobs(self, req: Req, result: ForwardResult, row: int) -> None:
         if result.logprobs is None or req.sampling.logprobs is None:

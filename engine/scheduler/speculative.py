@@ -1,5 +1,5 @@
-"""The scheduler's side of speculative decoding with n-gram drafts: what a TARGET_VERIFY step carries
-for each request, and what its result gives back.
+"""The scheduler's side of speculative decoding with n-gram drafts: the drafts a request may take,
+and what a TARGET_VERIFY step carries for each request (``Scheduler._process_verify`` takes its result).
 
 A verifying request computes its last token and up to k drafts after it (prompt lookup in its own
 tokens, ``ngram.propose_ngram``); the engine returns the target's token after each of them and how
@@ -49,12 +49,3 @@ def verify_arrays(reqs: Sequence[Req], drafts: Sequence[list[int]]) -> dict[str,
             "positions": np.concatenate([np.arange(p, p + e, dtype=np.int64) for p, e in zip(prefix, ext)]),
             "input_ids": np.asarray(ids, dtype=np.int64), "out_cache_loc": np.asarray(locs, dtype=np.int64)}
 
-
-def kept_runs(tokens: list[int], accepted: list[int], extend_lens: list[int]) -> list[tuple[int, list[int]]]:
-    """Per request, in batch order: (drafts kept, the tokens it emits: those drafts and the target's
-    token after them), from a verify result's flat tokens."""
-    out, start = [], 0
-    for a, e in zip(accepted, extend_lens):
-        out.append((a, tokens[start : start + a + 1]))
-        start += e
-    return out
