@@ -68,6 +68,11 @@ def add_parser(sub: Any) -> None:
                      help="also profile this many decode steps (device time per kernel, JSON 'decode_profile') "
                           "and one prefill (device time per kernel and host time per op, 'prefill_profile')")
     lat.set_defaults(func=_json_bench("latency"))
+    ver = kinds.add_parser("verify", help="a TARGET_VERIFY step of k drafts vs a DECODE step, k and batch size (GPU)")
+    _gpu_bench_args(ver, input_len=512, output_len=32)
+    ver.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ver.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)), help="drafts per verify step")
+    ver.set_defaults(func=_json_bench("verify_cost"))
     thr = kinds.add_parser("throughput", help="many requests at once on random weights vs the roofline (GPU)")
     _gpu_bench_args(thr, input_len=1024, output_len=512)
     thr.add_argument("--num-prompts", type=int, default=512)

@@ -1,0 +1,100 @@
+"""What a TARGET_VERIFY step costs against a DECODE step, on random weights of a named shape: at each
+batch size, the same requests (``--input-len`` prompts) decode plainly, then verify k drafts a step
+for each k, in one engine. Every verifying request carries exactly k drafts (a fixed proposal
+in place of prompt lookup, so the step's shape is the one measured whatever the model says); random
+weights reject them, so each step emits one token and the context grows as a decode's does.
+
+The step time is wall time over the steps of a run, host work included (a verify step is not
+overlapped with the next). From the costs: the batch-1 tok/s that an acceptance length of 3 (two
+drafts kept, then the target's token) would give at each k, against plain decoding's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ...engine.request import Req
+from ...engine.sampling_params import SamplingParams
+from ...engine.scheduler.speculative import NgramDrafter
+from .batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
+from .limits import device_name, sync
+
+ACCEPTANCE_LENGTH = 3
+
+
+class FixedDrafter(NgramDrafter):
+    """k drafts for every request (token 3 repeated), as many as it has room for."""
+
+    def propose(self, req: Req) -> list[int]:
+        room = min(self.k, req.sampling.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.fill_len)
+        return [3] * max(room, 0)
+
+
+def _step_ms(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Mean wall ms of the steps until each of ``prompts`` has ``steps`` more tokens (the device synced at
+    both ends; the loop times a step from its launch, which leaves an eager step's launch out), and the
+drafts a verify step carried per request."""
+    k = llm.scheduler.drafter.k if llm.scheduler.drafter is not None else 0
+    # room for k drafts to the end of the timed steps; the rest aborted
+    reqs = add_batch(llm, prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + k + 2, ignore_eos=True))
+    prefill(llm, reqs)
+    stats = llm.scheduler.stats
+    counts = stats.mode_counts
+    n0, d0, v0 = sum(counts.values()), stats.spec_draft_tokens, stats.mode_requests["TARGET_VERIFY"]
+    sync(llm.runner.device)
+    start = time.perf_counter()
+    llm.run_until(lambda: all(len(r.output_ids) > steps for r in reqs))
+    sync(llm.runner.device)
+    for r in reqs:
+        llm.abort(r.rid)
+    ms = (time.perf_counter() - start) * 1e3 / max(sum(counts.values()) - n0, 1)
+    return ms, (stats.spec_draft_tokens - d0) / max(stats.mode_requests["TARGET_VERIFY"] - v0, 1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ...engine.llm import LLM
+
+    tmp = tempfile.TemporaryDirectory()
+    folder, load_format = model_folder(args, tmp.name)
+    top_bs, k_max = max(args.batch_sizes), max(args.ks)
+    llm = LLM(model=folder, load_format=load_format, **engine_kwargs(args), page_size=16,
+              max_running_requests=top_bs, speculative_algorithm="ngram", speculative_num_steps=k_max,
+              kv_cache_tokens=top_bs * (args.input_len + args.output_len + k_max + 32) + 64,
+              max_context_len=args.input_len + args.output_len + k_max + 16)
+    sched, vocab = llm.scheduler, llm.model_config.vocab_size
+    drafters = {k: FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.drafter.max_context)
+                for k in args.ks}
+    rows = []
+    for bs in args.batch_sizes:
+        prompts = random_prompts(vocab, bs, args.input_len, seed=bs).tolist()
+        sched.drafter = None
+        _step_ms(llm, prompts, 8)  # warm: graphs of this bucket, first-use costs
+        decode, _ = _step_ms(llm, prompts, args.output_len)
+        verify, drafts = {}, {}
+        for k in args.ks:
+            sched.drafter = drafters[k]
+            _step_ms(llm, prompts, 4)
+            verify[k], drafts[k] = _step_ms(llm, prompts, args.output_len)
+        rows.append({
+            "batch_size": bs, "decode_step_ms": round(decode, 4),
+            "verify_step_ms": {k: round(v, 4) for k, v in verify.items()},
+            "verify_vs_decode": {k: round(v / decode, 3) for k, v in verify.items()},
+            "drafts_per_request_step": {k: round(d, 3) for k, d in drafts.items()},
+            # output tok/s at acceptance length 3 (only k >= 2 can keep two drafts), and as a ratio to plain decoding's
+            "plain_tok_s": round(bs * 1e3 / decode, 1),
+            "projected_tok_s_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * bs * 1e3 / v, 1)
+                                                for k, v in verify.items() if k >= ACCEPTANCE_LENGTH - 1},
+            "projected_speedup_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * decode / v, 3)
+                                                  for k, v in verify.items() if k >= ACCEPTANCE_LENGTH - 1},
+        })
+    out = {"bench": "verify", "shape": args.model or args.shape, "device": device_name(torch.device(args.device)),
+           "dtype": str(llm.runner.dtype).removeprefix("torch."), "attention_backend": llm.runner.attention_backend_name,
+           "cuda_graph": llm.runner.graphs is not None, "input_len": args.input_len, "steps": args.output_len,
+           "results": rows}
+    tmp.cleanup()
+    return out
