@@ -22,8 +22,9 @@ from .rank_policy import StepPolicy
 from .request_handle import Post, RequestHandle, TokenUpdate, continuation, send_updates
 
 if TYPE_CHECKING:
+    from ...engine.request import Req
     from ..telemetry.span_record import SpanRecord
-    from ..telemetry.step_tracing import StepTracer
+    from ..telemetry.step_tracing import RequestTrace, StepTracer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class RankLoop:
         self._inbox: list[RequestHandle | str] = []  # a request to add, or the id of one to abort
         self._inbox_tokens = 0
         self._handles: dict[str, RequestHandle] = {}
+        self._step_reqs: tuple[Req, ...] = ()  # the last traced step's requests, and their traces
+        self._step_traces: list[RequestTrace] = []
         self._wake = threading.Event()
         self._stopped = False
         self._steps = StepLoop(self, executor, policy.max_in_flight, scheduler.stats)
@@ -170,10 +173,12 @@ class RankLoop:
             return None
         if self.tracer is None or not scheduled.reqs:
             return RankStep(scheduled, scheduled.batch, None)
-        handles = self._handles
-        traces = [h.trace for h in map(handles.get, [r.rid for r in scheduled.reqs])
-                  if h is not None and h.trace is not None]
-        batch, span = self.tracer.start(scheduled.batch, traces)
+        if scheduled.reqs != self._step_reqs:  # a steady decode runs the same requests step after step
+            handles = self._handles
+            self._step_reqs = scheduled.reqs
+            self._step_traces = [h.trace for h in map(handles.get, [r.rid for r in scheduled.reqs])
+                                 if h is not None and h.trace is not None]
+        batch, span = self.tracer.start(scheduled.batch, self._step_traces)
         return RankStep(scheduled, batch, span)
 
     def process(self, step: RankStep, result: ForwardResult) -> None:

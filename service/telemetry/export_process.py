@@ -22,7 +22,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from .otel_env import export_environment, process_resource
-from .span_record import SdkSink, SpanRecord, Wire, from_wire, to_wire
+from .span_record import SdkSink, SpanRecord, from_wire, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ def export(component: str, dp_rank: int | None, inbox: IO[bytes], replies: IO[by
 
 
 class ExportProcess:
-    """The serving side: ``emit`` from any thread (it only appends: the sender thread writes the
-    pipe, so a slow or stuck child never holds up a step); ``flush`` waits until the child has
+    """The serving side: ``emit`` from any thread (it only appends: the sender thread turns records
+    into plain values and writes the pipe, so neither that nor a slow or stuck child holds up a step); ``flush`` waits until the child has
     exported everything emitted before it. Past ``max_pending`` unsent records, new ones are dropped
     (as the SDK's full queue drops spans)."""
 
@@ -68,7 +68,7 @@ class ExportProcess:
         self._out, self._replies = self._proc.stdin, self._proc.stdout
         self._lock = threading.Lock()  # the pending records
         self._pipe = threading.Lock()  # the pipe: the sender's batches and a flush's request
-        self._pending: list[Wire] = []
+        self._pending: list[SpanRecord] = []
         self._max_pending = max_pending
         self.dropped = 0
         self._ready = threading.Event()  # a batch is full
@@ -81,12 +81,12 @@ class ExportProcess:
         return self._proc.pid
 
     def emit(self, record: SpanRecord) -> None:
-        wire = to_wire(record)
+        """Queue an ended record (nothing changes it any more: the sender reads it later)."""
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 self.dropped += 1
                 return
-            self._pending.append(wire)
+            self._pending.append(record)
             if len(self._pending) == SEND_BATCH:
                 self._ready.set()
 
@@ -98,7 +98,7 @@ class ExportProcess:
             return False
         try:
             if batch:
-                pickle.dump(batch, self._out, pickle.HIGHEST_PROTOCOL)
+                pickle.dump([to_wire(r) for r in batch], self._out, pickle.HIGHEST_PROTOCOL)
             if msg is not None:
                 pickle.dump(msg, self._out, pickle.HIGHEST_PROTOCOL)
             self._out.flush()

@@ -69,6 +69,9 @@ class StepTracer:
         self.in_process = in_process  # the step span is the engine's forward span too
         self._name = "modeserve.forward" if in_process else "modeserve.step"
         self._head: RequestTrace | None = None  # the request whose trace the last step span is in
+        # the last ``traces`` in which none could link (a caller passes the same list while its steps
+        # serve the same requests): the next step with them links nothing either, unscanned
+        self._unlinkable: Sequence[RequestTrace] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +88,10 @@ class StepTracer:
             head = self._head = next((t for t in traces if t.record.recording), None)
         if head is None:
             return (batch, None) if self.in_process else (self._with_context(batch, traces[0].context), None)
-        others = [t for t in traces if t.linkable and t is not head][:MAX_STEP_LINKS]
+        others = ([] if traces is self._unlinkable else
+                  [t for t in traces if t.linkable and t is not head][:MAX_STEP_LINKS])
+        if not others and not head.linkable:  # and so it stays (a trace never becomes linkable again)
+            self._unlinkable = traces
         span = self.tracing.start_child(
             self._name, head.record, SpanKind.CLIENT,
             {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
