@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               kv_cache_tokens=top_bs * (args.input_len + args.output_len + k_max + 32) + 64,
               max_context_len=args.input_len + args.output_len + k_max + 16)
     sched, vocab = llm.scheduler, llm.model_config.vocab_size
-    drafters = {k: FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.drafter.max_context)
+    drafters = {k: FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.max_context)
                 for k in args.ks}
     rows = []
     for bs in args.batch_sizes:

@@ -174,10 +174,8 @@ class RankLoop:
         if self.tracer is None or not scheduled.reqs:
             return RankStep(scheduled, scheduled.batch, None)
         if scheduled.reqs != self._step_reqs:  # a steady decode runs the same requests step after step
-            handles = self._handles
-            self._step_reqs = scheduled.reqs
-            self._step_traces = [h.trace for h in map(handles.get, [r.rid for r in scheduled.reqs])
-                                 if h is not None and h.trace is not None]
+            self._step_reqs, handles = scheduled.reqs, self._handles
+            self._step_traces = [h.trace for h in map(handles.get, [r.rid for r in scheduled.reqs]) if h and h.trace]
         batch, span = self.tracer.start(scheduled.batch, self._step_traces)
         return RankStep(scheduled, batch, span)
 

@@ -13,13 +13,13 @@ as ``ForwardBatch.trace_context``; the engine's forward span is its child. Spans
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 from opentelemetry.trace import SpanContext, SpanKind
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
 from .span_record import SpanRecord
-from .tracing import Tracing, extract, forward_attributes, inject
+from .tracing import Tracing, extract, inject
 
 MAX_STEP_LINKS = 16
 
@@ -47,10 +47,8 @@ class RequestTrace:
         return len(self.record.links)
 
     def link_step(self, step: SpanContext) -> None:
-        links = self.record.links
-        links.append(step)
-        if len(links) >= MAX_STEP_LINKS:
-            self.linkable = False
+        self.record.links.append(step)
+        self.linkable = len(self.record.links) < MAX_STEP_LINKS
 
     def end(self, error: str | None = None) -> None:
         """End the span (again: nothing), failed with the status ``error`` when given."""
@@ -69,8 +67,7 @@ class StepTracer:
         self.in_process = in_process  # the step span is the engine's forward span too
         self._name = "modeserve.forward" if in_process else "modeserve.step"
         self._head: RequestTrace | None = None  # the request whose trace the last step span is in
-        # the last ``traces`` in which none could link (a caller passes the same list while its steps
-        # serve the same requests): the next step with them links nothing either, unscanned
+        # the last ``traces`` in which none could link (a caller reuses a list while its steps serve the same requests)
         self._unlinkable: Sequence[RequestTrace] | None = None
 
     @property
@@ -88,15 +85,11 @@ class StepTracer:
             head = self._head = next((t for t in traces if t.record.recording), None)
         if head is None:
             return (batch, None) if self.in_process else (self._with_context(batch, traces[0].context), None)
-        others = ([] if traces is self._unlinkable else
-                  [t for t in traces if t.linkable and t is not head][:MAX_STEP_LINKS])
+        others = [] if traces is self._unlinkable else [t for t in traces if t.linkable and t is not head][:MAX_STEP_LINKS]
         if not others and not head.linkable:  # and so it stays (a trace never becomes linkable again)
             self._unlinkable = traces
-        span = self.tracing.start_child(
-            self._name, head.record, SpanKind.CLIENT,
-            {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": self.dp_rank},
-            [t.context for t in others])
+        span = self.tracing.start_child(self._name, head.record, SpanKind.CLIENT, step_attributes(batch, self.dp_rank),
+                                        [t.context for t in others])
         if head.linkable:
             head.link_step(span.context)
         for t in others:
@@ -106,15 +99,19 @@ class StepTracer:
     def end(self, span: SpanRecord | None, result: ForwardResult, end_time: int | None = None) -> None:
         """End a step's span once its result is in (with the engine in process, with what only the
         engine knows); ``end_time`` in ns since the epoch (None: now)."""
-        if span is None:
-            return
-        if self.in_process:
-            span.attributes.update(forward_attributes(result.cuda_graph_bucket, span.attributes["modeserve.batch_size"]))
-        self.tracing.end(span, end_time)
+        if span is not None and self.in_process:
+            end_forward_span(self.tracing, span, result, end_time)
+        elif span is not None:
+            self.tracing.end(span, end_time)
 
     @staticmethod
     def _with_context(batch: ForwardBatch, context: SpanContext) -> ForwardBatch:
         return dataclasses.replace(batch, trace_context=inject(context))
+
+
+def step_attributes(batch: ForwardBatch, dp_rank: int) -> dict[str, Any]:
+    return {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+            "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank}
 
 
 def forward_span(tracing: Tracing, batch: ForwardBatch, dp_rank: int) -> SpanRecord | None:
@@ -123,14 +120,15 @@ def forward_span(tracing: Tracing, batch: ForwardBatch, dp_rank: int) -> SpanRec
     sampler drops it."""
     if not tracing.enabled:
         return None
-    span = tracing.start(
-        "modeserve.forward", extract(batch.trace_context) if batch.trace_context else None, SpanKind.SERVER,
-        {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-         "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank})
+    span = tracing.start("modeserve.forward", extract(batch.trace_context) if batch.trace_context else None,
+                         SpanKind.SERVER, step_attributes(batch, dp_rank))
     return span if span.recording else None
 
 
-def end_forward_span(tracing: Tracing, span: SpanRecord | None, result: ForwardResult) -> None:
+def end_forward_span(tracing: Tracing, span: SpanRecord | None, result: ForwardResult, end_time: int | None = None) -> None:
+    """End a forward span with what only the engine knows: whether it replayed a CUDA graph, padded to what."""
     if span is not None:
-        span.attributes.update(forward_attributes(result.cuda_graph_bucket, span.attributes["modeserve.batch_size"]))
-        tracing.end(span)
+        bucket = result.cuda_graph_bucket
+        span.attributes.update({"modeserve.cuda_graph": bucket is not None, "modeserve.padded_batch_size":
+                                bucket if bucket is not None else span.attributes["modeserve.batch_size"]})
+        tracing.end(span, end_time)

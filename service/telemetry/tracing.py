@@ -134,9 +134,3 @@ def inject(context: SpanContext) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(NonRecordingSpan(context)))
     return carrier
-
-
-def forward_attributes(graph_bucket: int | None, batch_size: int) -> dict[str, Any]:
-    """What only the engine knows about a step: whether it replayed a CUDA graph, padded to what."""
-    return {"modeserve.cuda_graph": graph_bucket is not None,
-            "modeserve.padded_batch_size": graph_bucket if graph_bucket is not None else batch_size}
