@@ -103,6 +103,21 @@ def teacher_forced_logits(test: Any, ref: Any, rtol: float) -> set[str]:
         la, lb = test.runner.compute_logits(a.batch), ref.runner.compute_logits(b.batch)
         torch.testing.assert_close(la, lb, rtol=rtol, atol=rtol * float(lb.abs().max()))
         tokens = lb.argmax(-1).cpu().numpy().astype(np.int64)  # both follow the same tokens
-        test.scheduler.process_result(a, ForwardResult(tokens))
-        ref.scheduler.process_result(b, ForwardResult(tokens))
+        kept = accepted_drafts(b.batch, tokens) if b.batch.forward_mode.name == "TARGET_VERIFY" else None
+        test.scheduler.process_result(a, ForwardResult(tokens, accepted_lengths=kept))
+        ref.scheduler.process_result(b, ForwardResult(tokens, accepted_lengths=kept))
     return modes
+
+
+def accepted_drafts(batch: Any, tokens: Any) -> Any:
+    """Per request of a TARGET_VERIFY batch, how many of its drafts lead with the tokens ``tokens``
+    says follow each input (greedy acceptance, on the host)."""
+    import numpy as np
+
+    kept = []
+    for start, n in zip((np.cumsum(batch.extend_lens) - batch.extend_lens).tolist(), batch.extend_lens.tolist()):
+        k = 0
+        while k < n - 1 and batch.input_ids[start + k + 1] == tokens[start + k]:
+            k += 1
+        kept.append(k)
+    return np.array(kept, dtype=np.int64)
