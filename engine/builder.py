@@ -30,5 +30,21 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
     ckpt = open_checkpoint(path, config.runner.load_format)
     tokenizer = load_tokenizer(path)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-    runner = ModelRunner(config.runner, ckpt, progress)
+    draft = None
+    if config.runner.speculative_draft_model is not None:
+        draft = open_checkpoint(config.runner.speculative_draft_model, config.runner.load_format)
+        check_draft(ckpt, tokenizer, draft, load_tokenizer(draft.path))
+    runner = ModelRunner(config.runner, ckpt, progress, draft)
     return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)))
+
+
+def check_draft(target: Checkpoint, tokenizer: Tokenizer | None, draft: Checkpoint, draft_tokenizer: Tokenizer | None) -> None:
+    """A draft model proposes the target's token ids: the same vocabulary size, and the same tokens
+    where both have a tokenizer (``ValueError`` otherwise)."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"speculative_draft_model {str(draft.path)!r} has a vocabulary of {draft.config.vocab_size} "
+                         f"ids, the target {target.config.vocab_size}: a draft must share the target's vocabulary")
+    if (tokenizer is None) != (draft_tokenizer is None) or (
+            tokenizer is not None and draft_tokenizer is not None
+            and tokenizer.hf_tokenizer.get_vocab() != draft_tokenizer.hf_tokenizer.get_vocab()):
+        raise ValueError(f"speculative_draft_model {str(draft.path)!r} does not share the target's tokenizer")

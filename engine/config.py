@@ -30,6 +30,8 @@ class RunnerConfig:
     # captured between its attention calls (CUDA only)
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 2048
+    # speculative_algorithm "draft": the draft model (HF folder or .gguf) that runs beside the target
+    speculative_draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -70,16 +72,16 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     max_running_requests: int = 256
     random_seed: int = 0  # seeds the per-request seeds drawn for unseeded requests
-    # speculative decoding: None, or "ngram" (prompt lookup: drafts from the request's own tokens)
+    # speculative decoding: None, "ngram" (prompt lookup: drafts from the request's own tokens) or
+    # "draft" (a smaller model's greedy tokens, made in the engine: ``speculative_draft_model``)
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 4  # k: draft tokens per request per TARGET_VERIFY step
     speculative_ngram_min: int = 1  # the shortest suffix an n-gram draft matches on
     speculative_ngram_max: int = 3  # the longest (tried first)
 
     def __post_init__(self) -> None:
-        if self.speculative_algorithm not in (None, "ngram"):
-            raise ValueError(f"speculative_algorithm must be None or 'ngram' (\"draft\" is not built yet), "
-                             f"got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_algorithm must be None, 'ngram' or 'draft', got {self.speculative_algorithm!r}")
         if self.speculative_num_steps < 1:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
@@ -108,4 +110,7 @@ class EngineConfig:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
         runner = RunnerConfig(**{k: v for k, v in kwargs.items() if k in runner_names})
         sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
+        if (sched.speculative_algorithm == "draft") != (runner.speculative_draft_model is not None):
+            raise ValueError("speculative_draft_model is given exactly when speculative_algorithm is 'draft' "
+                             f"(got {runner.speculative_draft_model!r} with {sched.speculative_algorithm!r})")
         return cls(runner=runner, scheduler=sched)

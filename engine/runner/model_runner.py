@@ -20,6 +20,7 @@ from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
 from . import sampler, spec_accept
 from .cuda_graph_runner import CudaGraphRunner
+from .draft_model import DraftModel
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
@@ -42,7 +43,9 @@ def kv_cache_slots(cfg: RunnerConfig, bytes_per_token: int, max_context: int) ->
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
+                 draft: Checkpoint | None = None) -> None:
+        """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``)."""
         self.cfg = cfg
         self.model_config = ckpt.config
         self.device = torch.device(cfg.device)
@@ -57,6 +60,8 @@ class ModelRunner:
         self._init_memory()
         self._init_attention()
         self._init_cuda_graphs(progress)
+        self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
+                                 self.kernel_ops) if draft is not None else None)
 
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
         self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
@@ -148,6 +153,9 @@ class ModelRunner:
              rows_np, sample_idx_np], self.device)
         self.slots.record(rows, positions, out_cache_loc, input_ids)
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
+        if self.draft is not None and batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            input_ids = self.draft.propose(batch, input_ids, out_cache_loc, req_pool, self.slots)
+            self.slots.record(rows, positions, out_cache_loc, input_ids)  # the drafts' token ids
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
@@ -157,6 +165,8 @@ class ModelRunner:
             hidden = pieces.run(bucket, input_ids, positions, out_cache_loc)
         else:
             hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
+        if self.draft is not None and batch.forward_mode.traits.is_extend:
+            self.draft.extend(input_ids, positions, inputs)  # DRAFT_EXTEND: the draft's keys of these tokens
         return self.model.compute_logits(hidden[sample_idx])
 
     def _attention_inputs(self, batch: ForwardBatch, req_pool: torch.Tensor, seq_lens: torch.Tensor,

@@ -22,7 +22,7 @@ from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
 from .kv_manager import KVManager
-from .speculative import NgramDrafter, verify_arrays
+from .speculative import make_drafter, record_draft_steps, verify_arrays
 from .stats import ForwardModeStats
 from .stop import StopChecker
 
@@ -82,7 +82,7 @@ class Scheduler:
         self._admissions: list[ReqAdmission] = []
         self.rng = random.Random(cfg.random_seed)
         self.step_no = 0
-        self.drafter = NgramDrafter(cfg, max_context) if cfg.speculative_algorithm == "ngram" else None
+        self.drafter = make_drafter(cfg, max_context)
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -270,6 +270,8 @@ class Scheduler:
                 req.output_ids.append(PLACEHOLDER)
                 req.prefill_done = True
         self.stats.record(mode, batch.batch_size, batch.num_tokens)
+        if self.cfg.speculative_algorithm == "draft":
+            record_draft_steps(self.stats, batch)
         if logger.isEnabledFor(logging.INFO):
             logger.info("%s | running=%d waiting=%d", self.stats.log_line(self.step_no, mode, batch.batch_size,
                                                                         batch.num_tokens),

@@ -14,24 +14,60 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..config import SchedulerConfig
+from ..forward_batch import ForwardBatch
+from ..forward_mode import ForwardMode
 from ..request import Req
 from .ngram import propose_ngram
+from .stats import ForwardModeStats
 
 
-class NgramDrafter:
+class Drafter:
+    """The drafts of ``speculative_algorithm="draft"``: k placeholders a request, which the engine's
+    draft model fills in the verify step (no more than the request has room for)."""
+
     def __init__(self, cfg: SchedulerConfig, max_context: int) -> None:
         self.k = cfg.speculative_num_steps
-        self.min_n, self.max_n = cfg.speculative_ngram_min, cfg.speculative_ngram_max
         self.max_context = max_context
 
+    def room(self, req: Req) -> int:
+        """Drafts ``req`` may take: no more than it may still emit after the target's first token, nor
+        than its context has room for."""
+        return min(self.k, req.sampling.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.fill_len)
+
     def propose(self, req: Req) -> list[int]:
-        """Up to k drafts for ``req`` (a decoding request, its ids all known): no more than it may
-        still emit after the target's first token, nor than its context has room for."""
-        room = min(self.k, req.sampling.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.fill_len)
+        return [0] * max(self.room(req), 0)
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, cfg: SchedulerConfig, max_context: int) -> None:
+        super().__init__(cfg, max_context)
+        self.min_n, self.max_n = cfg.speculative_ngram_min, cfg.speculative_ngram_max
+
+    def propose(self, req: Req) -> list[int]:
+        """Up to ``room`` drafts for ``req`` (a decoding request, its ids all known) by prompt lookup."""
+        room = self.room(req)
         if room < 1:
             return []
         tokens = np.asarray(req.fill_ids, dtype=np.int64)
         return propose_ngram(tokens, room, self.min_n, self.max_n).tolist()
+
+
+def make_drafter(cfg: SchedulerConfig, max_context: int) -> Drafter | None:
+    drafters = {"ngram": NgramDrafter, "draft": Drafter}
+    return drafters[cfg.speculative_algorithm](cfg, max_context) if cfg.speculative_algorithm else None
+
+
+def record_draft_steps(stats: ForwardModeStats, batch: ForwardBatch) -> None:
+    """The draft model's sub-steps in a step of ``batch`` (``speculative_algorithm="draft"``): its
+    DRAFT_EXTEND over an EXTEND/MIXED step's tokens; in a TARGET_VERIFY step, its catch-up
+    (DRAFT_EXTEND of each request's last two tokens), then a DECODE step per draft after the first."""
+    if batch.forward_mode.traits.is_extend:
+        stats.record(ForwardMode.DRAFT_EXTEND, batch.batch_size, batch.num_tokens)
+    elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
+        stats.record(ForwardMode.DRAFT_EXTEND, batch.batch_size, 2 * batch.batch_size)
+        for j in range(2, int(batch.extend_lens.max())):
+            rows = int((batch.extend_lens > j).sum())
+            stats.record(ForwardMode.DECODE, rows, rows)
 
 
 def verify_arrays(reqs: Sequence[Req], drafts: Sequence[list[int]]) -> dict[str, Any]:

@@ -31,8 +31,7 @@ class FixedDrafter(NgramDrafter):
     """k drafts for every request (token 3 repeated), as many as it has room for."""
 
     def propose(self, req: Req) -> list[int]:
-        room = min(self.k, req.sampling.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.fill_len)
-        return [3] * max(room, 0)
+        return [3] * max(self.room(req), 0)
 
 
 def _step_ms(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:

@@ -1,9 +1,10 @@
-"""Speculative decoding with n-gram drafts (TARGET_VERIFY) on CPU: greedy output equals
+"""Speculative decoding on CPU, with n-gram drafts and with a draft model (TARGET_VERIFY, and the
+draft's DRAFT_EXTEND and DECODE steps inside the engine): greedy output equals
 non-speculative greedy and the transformers full-forward argmax loop, on every tiny architecture and
 under page sizes 1 and 16, chunked prefill, prefix-cache hits, preemption, k = 1 and k = 5; seeded
 sampling, penalties, log-probabilities and stop tokens are token for token the non-speculative ones
-(n-gram drafts are one-hot: a draft is kept exactly when the target's own seeded draw equals it);
-drafts are accepted and their KV comes back."""
+(both drafters' proposals are one-hot: a draft is kept exactly when the target's own seeded draw
+equals it); drafts are accepted and their KV comes back; a bad draft model is refused at start."""
 
 from __future__ import annotations
 
@@ -42,17 +43,23 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return folder, [reference_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def spec_llm(folder: Path, **kwargs: Any) -> LLM:
-    return LLM(model=str(folder), speculative_algorithm="ngram", **{**BASE, **kwargs})
+def spec_llm(folder: Path, algorithm: str = "ngram", draft: Path | None = None, **kwargs: Any) -> LLM:
+    """n-gram drafts, or a draft model (by default the target itself: every draft is kept)."""
+    spec: dict[str, Any] = dict(speculative_algorithm=algorithm)
+    if algorithm == "draft":
+        spec["speculative_draft_model"] = str(draft or folder)
+    return LLM(model=str(folder), **spec, **{**BASE, **kwargs})
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_ngram_greedy_equals_plain_greedy_and_transformers(arch: tuple[Path, list[list[int]]], variant: str) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_greedy_equals_plain_greedy_and_transformers(arch: tuple[Path, list[list[int]]], algorithm: str,
+                                                     variant: str) -> None:
     folder, want = arch
     kwargs = VARIANTS[variant]
     plain = LLM(model=str(folder), **{**BASE, **kwargs})
     assert [o.token_ids for o in plain.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == want
-    llm = spec_llm(folder, **kwargs)
+    llm = spec_llm(folder, algorithm, **kwargs)
     runs = 2 if variant == "prefix_hits" else 1
     for _ in range(runs):
         got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -61,6 +68,9 @@ def test_ngram_greedy_equals_plain_greedy_and_transformers(arch: tuple[Path, lis
     spec = stats["speculative"]
     assert stats["mode_distribution"].get("TARGET_VERIFY", 0) == spec["verify_steps"] > 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    if algorithm == "draft":  # the draft's prefill and catch-ups, and its own decode steps (k > 1)
+        assert stats["mode_distribution"]["DRAFT_EXTEND"] > spec["verify_steps"]
+        assert variant == "k1" or stats["mode_distribution"]["DECODE"] > 0
     if variant == "prefix_hits":
         assert stats["num_prefix_hit_tokens"] > 0
     if variant == "preempted":
@@ -82,9 +92,11 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                  max_new_tokens=NEW_TOKENS, ignore_eos=True)),
     ("logprobs", SamplingParams(temperature=0.0, logprobs=3, max_new_tokens=NEW_TOKENS, ignore_eos=True)),
 ])
-def test_ngram_sampling_is_token_for_token_the_plain_sampler(qwen: Path, name: str, sp: SamplingParams) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_sampling_is_token_for_token_the_plain_sampler(qwen: Path, algorithm: str, name: str,
+                                                       sp: SamplingParams) -> None:
     want = LLM(model=str(qwen), **BASE).generate(prompt_token_ids=PROMPTS, sampling_params=sp)
-    llm = spec_llm(qwen)
+    llm = spec_llm(qwen, algorithm)
     got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     if name == "logprobs":
@@ -95,12 +107,13 @@ def test_ngram_sampling_is_token_for_token_the_plain_sampler(qwen: Path, name: s
     assert llm.stats()["speculative"]["verify_steps"] > 0
 
 
-def test_ngram_greedy_with_mixed_steps(qwen: Path) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_greedy_with_mixed_steps(qwen: Path, algorithm: str) -> None:
     """Prefill chunks riding with decodes (MIXED) while other requests verify drafts."""
     kwargs = dict(page_size=4, chunked_prefill_size=8, enable_mixed=True, max_prefill_ratio=0.5)
     want = [o.token_ids for o in LLM(model=str(qwen), **{**BASE, **kwargs}).generate(
         prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-    llm = spec_llm(qwen, **kwargs)
+    llm = spec_llm(qwen, algorithm, **kwargs)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == want
     stats = llm.stats()
     assert stats["mode_distribution"].get("MIXED", 0) > 0 and stats["speculative"]["accepted_tokens"] > 0
@@ -138,6 +151,33 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_at_that_token(qwen: Path
     assert sched.kv.num_available_pages == sched.kv.pool.num_total_pages
 
 
+def test_a_draft_of_another_architecture_gives_the_plain_greedy_streams(tmp_path: Path, qwen: Path) -> None:
+    """A llama draft for a qwen2 target (same vocabulary, other weights): its drafts are mostly
+    rejected, the output is still exactly non-speculative greedy, and every KV page comes back."""
+    draft = make_tiny_model("llama3", tmp_path / "draft")
+    for kwargs in (dict(page_size=16), dict(page_size=4, kv_cache_tokens=192)):
+        want = [o.token_ids for o in LLM(model=str(qwen), **{**BASE, **kwargs}).generate(
+            prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        llm = spec_llm(qwen, "draft", draft, **kwargs)
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == want
+        stats = llm.stats()
+        assert stats["speculative"]["verify_steps"] > 0 and stats["mode_distribution"]["DRAFT_EXTEND"] > 0
+        kv = llm.scheduler.kv
+        assert kv.num_available_pages == kv.pool.num_total_pages
+
+
+def test_bad_draft_models_are_refused_at_start(tmp_path: Path, qwen: Path) -> None:
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        LLM(model=str(qwen), speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        LLM(model=str(qwen), speculative_algorithm="ngram", speculative_draft_model=str(qwen))
+    other = make_tiny_model("llama3", tmp_path / "v", vocab_size=200)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model=str(qwen), speculative_algorithm="draft", speculative_draft_model=str(other))
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(qwen), speculative_algorithm="draft", speculative_draft_model=str(tmp_path / "none"))
+
+
 def test_bad_speculative_arguments_are_refused(qwen: Path) -> None:
     with pytest.raises(ValueError, match="speculative_algorithm"):
         LLM(model=str(qwen), speculative_algorithm="eagle")
@@ -166,11 +206,12 @@ def accept_every_draft(sampled: torch.Tensor, input_ids: torch.Tensor, runs: tor
     return torch.bincount(runs, minlength=starts.shape[0]) - 1
 
 
-@pytest.mark.parametrize("rule", ["exact", "accept_every_draft"])
+@pytest.mark.parametrize("rule, algorithm", [("exact", "ngram"), ("accept_every_draft", "ngram"),
+                                             ("exact", "draft"), ("accept_every_draft", "draft")])
 def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        rule: str) -> None:
-    """A 16-token vocabulary, temperature 1, 400 seeds: the tokens sampled with n-gram drafts and
-    without are one distribution (chi-square, alpha = 0.01); a wrong acceptance rule is caught."""
+                                                        rule: str, algorithm: str) -> None:
+    """A 16-token vocabulary, temperature 1, 400 seeds: the tokens sampled with drafts (n-gram, or
+    the model drafting for itself) and without are one distribution (chi-square, alpha = 0.01); a wrong acceptance rule is caught."""
     vocab = 16
     folder = make_tiny_model("qwen2", tmp_path / "m", vocab_size=vocab)
     prompt = [3, 4, 5, 6] * 6
@@ -180,7 +221,7 @@ def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, monkeypa
     if rule != "exact":
         from modeserve.engine.runner import spec_accept
         monkeypatch.setattr(spec_accept, "accepted_in_runs", accept_every_draft)
-    llm = spec_llm(folder)
+    llm = spec_llm(folder, algorithm)
     spec = llm.generate(prompt_token_ids=[prompt] * reqs, sampling_params=sps)
     assert llm.stats()["speculative"]["draft_tokens"] > reqs
     p = chi_square_p([t for o in plain for t in o.token_ids], [t for o in spec for t in o.token_ids], vocab)

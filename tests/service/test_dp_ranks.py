@@ -29,10 +29,11 @@ from tests.service.test_serve import generate_all, reference
 SCHED = SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5)
 
 
-def start_engines(model: Path, n: int) -> list[tuple[subprocess.Popen[str], str]]:
+def start_engines(model: Path, n: int, *extra: str) -> list[tuple[subprocess.Popen[str], str]]:
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda r: spawn("engine", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                                             "--page-size", "4", "--kv-cache-tokens", "4096", "--dp-rank", str(r)),
+                                             "--page-size", "4", "--kv-cache-tokens", "4096", "--dp-rank", str(r),
+                                             *extra),
                              range(n)))
 
 
@@ -48,8 +49,9 @@ def stop_engines(procs: list[tuple[subprocess.Popen[str], str]]) -> None:
 def router_over(tiny_model: Path) -> Iterator[Callable[..., tuple[RouterApp, GenerateClient, list]]]:
     made: list[tuple[RouterApp, GenerateClient, list]] = []
 
-    def make(n: int, sched: SchedulerConfig = SCHED, **kw: object) -> tuple[RouterApp, GenerateClient, list]:
-        procs = start_engines(tiny_model, n)
+    def make(n: int, sched: SchedulerConfig = SCHED, engine_args: tuple[str, ...] = (),
+             **kw: object) -> tuple[RouterApp, GenerateClient, list]:
+        procs = start_engines(tiny_model, n, *engine_args)
         app = start_remote_router("127.0.0.1:0", [a for _, a in procs], None,
                                   RemoteRouterConfig(sched, **kw))  # type: ignore[arg-type]
         client = GenerateClient(f"127.0.0.1:{app.port}")
@@ -88,12 +90,14 @@ def test_three_ranks_48_streams_and_prefix_dispatch(router_over: Callable, tiny_
     assert sorted(gained)[:2] == [0, 0] and max(gained) >= 6 * 48  # all hits on one rank
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft"])
 def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, speculative: str | None) -> None:
-    """With n-gram drafts too: a request moved to another rank mid-run keeps what was delivered (its
-    accepted runs included) and goes on without a gap or a repeat."""
+    """With n-gram drafts, and with a draft model in each engine, too: a request moved to another rank
+    mid-run keeps what was delivered (its accepted runs included) and goes on without a gap or a repeat."""
     sched = dataclasses.replace(SCHED, speculative_algorithm=speculative)
-    app, client, procs = router_over(3, sched=sched, dispatch="round-robin")
+    engine_args = (("--speculative-algorithm", "draft", "--speculative-draft-model", str(tiny_model))
+                   if speculative == "draft" else ())
+    app, client, procs = router_over(3, sched=sched, engine_args=engine_args, dispatch="round-robin")
     prompts = mixed_prompts(24, COMMON["vocab_size"], seed=22, max_len=30)
     if speculative:
         prompts = [p * 2 for p in prompts]  # repeats: prompt lookup finds drafts
@@ -131,7 +135,7 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     # the engine comes back (a restarted pod at the same address): offered again, the rank rejoins
     port = procs[1][1].rsplit(":", 1)[1]
     revived = spawn("engine", "--model", str(tiny_model), "--host", "127.0.0.1", "--port", port, "--page-size", "4",
-                    "--kv-cache-tokens", "4096", "--dp-rank", "1")
+                    "--kv-cache-tokens", "4096", "--dp-rank", "1", *engine_args)
     procs.append(revived)
     app.table.set_ranks([RankSpec(i, a) for i, (_, a) in enumerate(procs[:3])])
     deadline = time.time() + 30

@@ -74,6 +74,29 @@ def test_ngram_speculative_streams_over_a_remote_engine_equal_llm_generate(engin
         app.stop(grace=1)
 
 
+def test_draft_model_speculative_streams_over_a_remote_engine_equal_llm_generate(tiny_model: Path) -> None:
+    """The draft model lives in the engine process: the router's scheduler reserves k drafts a
+    request, the remote engine drafts and verifies them in one step (no round trip per draft token)."""
+    proc, addr = spawn("engine", "--model", str(tiny_model), "--host", "127.0.0.1", "--port", "0", "--page-size", "4",
+                       "--kv-cache-tokens", "2048", "--speculative-algorithm", "draft",
+                       "--speculative-draft-model", str(tiny_model))
+    app = start_remote_router("127.0.0.1:0", [addr], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=32, speculative_algorithm="draft")))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        prompts = mixed_prompts(32, COMMON["vocab_size"], seed=10, max_len=24)
+        outs = generate_all(client, prompts, 16)
+        assert [o.token_ids for o in outs] == reference(tiny_model, prompts, 16)
+        stats = app.loops[0].scheduler.stats.get_stats()
+        assert stats["mode_distribution"].get("TARGET_VERIFY", 0) > 0 and stats["mode_distribution"]["DRAFT_EXTEND"] > 0
+        assert stats["speculative"]["accepted_tokens"] > 0  # the target drafting for itself: all kept
+    finally:
+        client.close()
+        app.stop(grace=1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
 def test_router_command(engines: list[str], tiny_model: Path) -> None:
     proc, addr = spawn("router", "--engines", engines[0], "--host", "127.0.0.1", "--port", "0")
     client = GenerateClient(addr)
