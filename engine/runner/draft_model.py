@@ -65,7 +65,7 @@ class DraftModel:
         ids2 = torch.stack([slots.token_ids[req_pool, last_dev - 1], input_ids[starts_dev]], dim=1).reshape(-1)
         loc2 = torch.stack([slots.req_to_token[req_pool, last_dev - 1], out_cache_loc[starts_dev]], dim=1).reshape(-1)
         draft = self._greedy(ForwardMode.DRAFT_EXTEND, ids2, pos2_dev, loc2, req_pool, last + 1,
-                             last - 1, np.full(num, 2), batch.req_pool_indices, slots)[1::2]
+                             last - 1, np.full(num, 2), batch.req_pool_indices, slots, sample=slice(1, None, 2))
         out = input_ids.clone()
         rows = np.arange(num)  # the requests whose next draft is in ``draft`` (in this order)
         for j in range(1, int(ext.max()) if num else 1):  # draft j of every request that has one
@@ -76,24 +76,23 @@ class DraftModel:
             more = np.flatnonzero(ext[rows] > j + 1)  # room for draft j + 1: draft j in, at its own KV slot
             if not len(more):
                 break
-            rows, (more_dev, loc_at, pos) = rows[more], upload([more, starts[rows[more]] + j, last[rows[more]] + j],
-                                                               self.device)
-            (rows_dev,) = upload([rows], self.device)
+            rows = rows[more]
+            more_dev, loc_at, pos, rows_dev = upload([more, starts[rows] + j, last[rows] + j, rows], self.device)
             draft = self._greedy(ForwardMode.DECODE, draft[more_dev], pos, out_cache_loc[loc_at], req_pool[rows_dev],
-                                 last[rows] + j + 1, last[rows] + j, np.ones(len(rows)), batch.req_pool_indices[rows],
-                                 slots)
+                                 last[rows] + j + 1, last[rows] + j, np.ones(len(rows), dtype=np.int64),
+                                 batch.req_pool_indices[rows], slots)
         return out
 
     def _greedy(self, mode: ForwardMode, ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
                 req_pool: torch.Tensor, seq_lens: np.ndarray, prefix: np.ndarray, ext: np.ndarray,
-                req_pool_cpu: np.ndarray, slots: SlotState) -> torch.Tensor:
-        """The draft's greedy token after each request's last input (``prefix``/``ext``/``seq_lens`` on
-        the host, for the attention plan)."""
+                req_pool_cpu: np.ndarray, slots: SlotState, sample: slice = slice(None)) -> torch.Tensor:
+        """The draft's greedy token after each ``sample`` row of ``ids`` (``prefix``/``ext``/``seq_lens``
+        on the host, for the attention plan)."""
         (seq_dev,) = upload([seq_lens], self.device)
         self.attn.init_forward_metadata(AttentionInputs(
             forward_mode=mode, req_pool_indices=req_pool, prefix_lens_cpu=prefix.tolist(),
-            extend_lens_cpu=ext.astype(np.int64).tolist(), seq_lens=seq_dev, out_cache_loc=loc,
+            extend_lens_cpu=ext.tolist(), seq_lens=seq_dev, out_cache_loc=loc,
             req_to_token=slots.req_to_token, dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu,
             req_to_page_cpu=slots.req_to_page))
         hidden = self.model(ids, positions, self.attn)
-        return self.model.compute_logits(hidden).argmax(-1)
+        return self.model.compute_logits(hidden[sample]).argmax(-1)

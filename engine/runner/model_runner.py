@@ -155,7 +155,7 @@ class ModelRunner:
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
         if self.draft is not None and batch.forward_mode == ForwardMode.TARGET_VERIFY:
             input_ids = self.draft.propose(batch, input_ids, out_cache_loc, req_pool, self.slots)
-            self.slots.record(rows, positions, out_cache_loc, input_ids)  # the drafts' token ids
+            self.slots.token_ids[rows, positions] = input_ids  # the drafts' ids (their slots are recorded)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
