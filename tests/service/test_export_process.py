@@ -91,7 +91,8 @@ def test_settings_come_from_the_mapping_given(receiver: Receiver) -> None:
 def test_a_stuck_child_never_holds_up_the_serving_side(receiver: Receiver) -> None:
     """The child stopped (SIGSTOP): its pipe fills, the sender thread waits on it, and ``emit`` goes
     on appending until ``max_pending`` records wait, then drops; after SIGCONT every record kept is
-    exported."""
+    exported. (How many records reach the pipe before the emitter is done depends on when the sender
+    thread gets the GIL, none at all on a busy 2-core machine, so at most ``total - max_pending`` drop.)"""
     import threading
 
     tracing = Tracing("engine", 0)
@@ -102,7 +103,7 @@ def test_a_stuck_child_never_holds_up_the_serving_side(receiver: Receiver) -> No
     emitter.start()
     emitter.join(60)
     assert not emitter.is_alive()  # every emit returned while the child could read nothing
-    assert 0 < sink.dropped < total - 500
+    assert 0 < sink.dropped <= total - 500
     os.kill(sink.pid, signal.SIGCONT)
     sink.flush()
     deadline = time.time() + 30
