@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ...engine.config import SchedulerConfig
-from ..router.app import serve_app
+from ..router.app import HttpAddress, serve_app
 from ..router.dispatch import POLICIES
 from ..router.remote import RemoteRouterConfig, start_remote_router
 from ..rpc.grpc_server import grpc_address
@@ -36,6 +36,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dispatch", choices=POLICIES, default="prefix",
                    help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--http-port", type=int, default=8000, help="serve the OpenAI-compatible HTTP API on this port "
+                                                               "(0: off)")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
@@ -56,11 +58,18 @@ def engineset_watch(name: str, namespace: str | None) -> EngineSetWatch:
     return EngineSetWatch(api_client_from_environment(), namespace, name)
 
 
+def http_address(args: argparse.Namespace) -> HttpAddress | None:
+    if not 0 <= args.http_port < 65536:
+        raise ValueError(f"--http-port must be in [0, 65536), got {args.http_port}")
+    return HttpAddress(args.host, args.http_port) if args.http_port else None
+
+
 def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
     """The settings ``router`` and ``serve`` share: scheduler flags, ``--overlap``,
-    ``--max-queued-requests``, ``--metrics-port``."""
+    ``--max-queued-requests``, ``--metrics-port``, ``--http-port``."""
     return RemoteRouterConfig(SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), overlap=args.overlap,
-                              max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port)
+                              max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
+                              http=http_address(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,18 +5,26 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ...proto.v1 import admin_pb2_grpc, generate_pb2_grpc
+from ..http.routes import create_app
+from ..http.server import HttpServer
 from ..rpc.grpc_server import EventLoopThread, GrpcServer
 from ..rpc.grpc_server import wait_for_signal
 from ..telemetry.metrics import MetricsServer
 from ..telemetry.tracing import Tracing
 from .admin_servicer import ADMIN_SERVICE, AdminServicer
 from .generate_servicer import GENERATE_SERVICE, GenerateServicer
+from .generation import Generation
 from .rank_loop import RankLoop
 from .rank_table import RankTable
 from .request_validation import RequestParser
+
+
+class HttpAddress(NamedTuple):
+    host: str
+    port: int
 
 
 @dataclass
@@ -27,6 +35,7 @@ class RouterApp:
     table: RankTable
     metrics: MetricsServer
     tracing: Tracing
+    http: HttpServer | None = None
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # first thing stop() does (rank sources)
 
     @property
@@ -41,7 +50,12 @@ class RouterApp:
         """Refuse new calls, let the streams finish within ``grace``, then stop the ranks."""
         for stop in self.on_stop:
             stop()
+        self.servicer.generation.draining = True  # /health says so; new HTTP requests get 503
+        if self.http is not None:
+            self.http.shutdown(grace, wait=False)
         self.server.shutdown(grace)
+        if self.http is not None:
+            self.http.shutdown(grace)
         self.table.close()
         self.events.close()
         self.metrics.stop()
@@ -52,6 +66,8 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threadi
     """Announce the bound port (tests and scripts read this line), serve until SIGTERM (or ``stop``
     is set), drain."""
     print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
+    if app.http is not None:
+        print(f"modeserve {label} HTTP API on {host}:{app.http.port}", flush=True)
     wait_for_signal(grace, stop)
     app.stop(grace)
     return 0
@@ -59,16 +75,25 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threadi
 
 def start_router(address: str, events: EventLoopThread, table: RankTable, parser: RequestParser, model_name: str,
                  eos_token_ids: Sequence[int], metrics_port: int | None = None,
-                 tracing: Tracing | None = None) -> RouterApp:
-    """Serve Generate (and Admin, over the same table) on ``address``; /metrics on ``metrics_port``."""
+                 tracing: Tracing | None = None, http: HttpAddress | None = None) -> RouterApp:
+    """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``;
+    /metrics on ``metrics_port``."""
     metrics = MetricsServer(table.samples, router=True)
     if metrics_port is not None:
         metrics.start(metrics_port)
     tracing = tracing or Tracing("router")
-    servicer = GenerateServicer(parser, table, model_name, eos_token_ids, metrics.requests, tracing)
+    generation = Generation(parser, table, model_name, metrics.requests, tracing)
+    servicer = GenerateServicer(generation, eos_token_ids)
     admin = AdminServicer(table)
     server = GrpcServer(events, address,
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
                         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
                        [GENERATE_SERVICE, ADMIN_SERVICE])
-    return RouterApp(events, server, servicer, table, metrics, tracing)
+    app = RouterApp(events, server, servicer, table, metrics, tracing)
+    if http is not None:
+        try:
+            app.http = HttpServer(events, create_app(generation), http.host, http.port)
+        except BaseException:
+            app.stop(0)
+            raise
+    return app

@@ -9,7 +9,7 @@ from ...engine.llm import LLM
 from ..rpc.grpc_server import EventLoopThread
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
-from .app import RouterApp, start_router
+from .app import HttpAddress, RouterApp, start_router
 from .dispatch import Dispatcher
 from .rank_loop import RankLoop
 from .rank_policy import FreeRunning
@@ -20,7 +20,7 @@ from .request_validation import RequestParser
 
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
                 max_new_tokens_limit: int | None = None, metrics_port: int | None = None,
-                tracing: Tracing | None = None, **engine_kwargs: Any) -> RouterApp:
+                tracing: Tracing | None = None, http: HttpAddress | None = None, **engine_kwargs: Any) -> RouterApp:
     """One process: router + scheduler + engine, the model runner as the rank's executor."""
     llm = LLM(model=model, **engine_kwargs)
     tracing = tracing or Tracing("router", dp_rank=0)
@@ -40,4 +40,5 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
     limits = dataclasses.replace(llm.scheduler.limits, max_new_tokens=max_new_tokens_limit or llm.runner.max_context)
     parser = RequestParser(llm.tokenizer, limits, llm.config.scheduler.random_seed)
     eos = llm.scheduler.stop.eos_token_ids
-    return start_router(address, events, table, parser, llm.model_config.name, sorted(eos), metrics_port, tracing)
+    return start_router(address, events, table, parser, llm.model_config.name, sorted(eos), metrics_port, tracing,
+                        http)

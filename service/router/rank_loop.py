@@ -185,8 +185,11 @@ class RankLoop:
         updates = []
         for ev in self.scheduler.process_result(step.scheduled, result):
             req = ev.req
-            lp = (req.output_logprobs[-1],) if req.output_logprobs else ()
-            updates.append((req.rid, TokenUpdate(ev.new_token_ids, req.finish_reason if ev.finished else None, lp)))
+            n = len(ev.new_token_ids)  # a verify step's run has several: each its logprob
+            lp = tuple(req.output_logprobs[-n:]) if req.output_logprobs and n else ()
+            top = tuple(map(tuple, req.output_top_logprobs[-n:])) if req.output_top_logprobs and n else ()
+            updates.append((req.rid, TokenUpdate(ev.new_token_ids, req.finish_reason if ev.finished else None,
+                                                 lp, top)))
         self._deliver(updates)
         self._publish()
 

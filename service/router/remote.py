@@ -16,7 +16,7 @@ from ..rpc.engine_client import describe_engine, engine_healthy
 from ..rpc.grpc_executor import GrpcExecutor
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
-from .app import RouterApp, start_router
+from .app import HttpAddress, RouterApp, start_router
 from .dispatch import Dispatcher
 from .lockstep import LockstepGroup
 from .rank_loop import RankLoop
@@ -41,6 +41,7 @@ class RemoteRouterConfig:
     lockstep: bool = False
     health_interval: float = 1.0
     metrics_port: int | None = None
+    http: HttpAddress | None = None  # where to serve the OpenAI HTTP API (None: not at all)
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, cfg: RemoteRouterConfig,
@@ -102,4 +103,4 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     parser = RequestParser(tokenizer, limits, cfg.scheduler.random_seed)
     return start_router(address, events, table, parser, desc.model, list(desc.eos_token_ids), cfg.metrics_port,
-                        tracing)
+                        tracing, cfg.http)

@@ -20,6 +20,7 @@ class TokenUpdate:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token: (id, logprob) alternatives
 
 
 class UpdateQueue(Protocol):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from ...engine.request import Req
 from ...engine.request_limits import RequestLimits, check_prompt
@@ -11,6 +12,23 @@ from ...engine.tokenizer import Tokenizer
 from ...proto.v1 import generate_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class InvalidField(ValueError):
+    """A bad request field: ``param`` as the caller's API names it (the message starts with it)."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(f"{param}: {problem}" if not problem.startswith("must") else f"{param} {problem}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """What an API calls the fields ``RequestParser.make_req`` checks."""
+
+    prompt: str
+    max_new_tokens: str = "sampling.max_new_tokens"
+    stop_token_ids: str = "sampling.stop_token_ids"
 
 
 def sampling_from_proto(p: generate_pb2.SamplingParams) -> SamplingParams:
@@ -55,18 +73,22 @@ class RequestParser:
     def parse(self, rid: str, request: generate_pb2.GenerateRequest) -> Req:
         """``ValueError`` naming the field."""
         sampling = sampling_from_proto(request.sampling)
+        field = "token_ids" if request.token_ids else "text"
+        return self.make_req(rid, self.prompt_ids(request), sampling, FieldNames(prompt=field))
+
+    def make_req(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, names: FieldNames) -> Req:
+        """The request, checked against the model's limits (``InvalidField`` naming what is wrong as
+        the caller's API names it), with its seed drawn if it has none."""
         if self.limits.max_new_tokens is not None and sampling.max_new_tokens > self.limits.max_new_tokens:
-            raise ValueError(f"sampling.max_new_tokens must be <= {self.limits.max_new_tokens}, "
-                             f"got {sampling.max_new_tokens}")
+            raise InvalidField(names.max_new_tokens, f"must be <= {self.limits.max_new_tokens}, "
+                                                     f"got {sampling.max_new_tokens}")
         bad_stop = [t for t in sampling.stop_token_ids if not 0 <= t < self.limits.vocab_size]
         if bad_stop:
-            raise ValueError(f"sampling.stop_token_ids: {bad_stop[0]} is outside the vocabulary")
-        field = "token_ids" if request.token_ids else "text"
-        prompt_ids = self.prompt_ids(request)
+            raise InvalidField(names.stop_token_ids, f"{bad_stop[0]} is outside the vocabulary")
         try:
             check_prompt(prompt_ids, sampling.max_new_tokens, self.limits)
         except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from exc
+            raise InvalidField(names.prompt, str(exc)) from exc
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         return Req(rid=rid, prompt_ids=prompt_ids, sampling=sampling, seed=seed)
 

@@ -172,7 +172,7 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "serve", "--model", str(tiny_model),
-                             "--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
+                             "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", str(metrics_port),
                              "--chunked-prefill-size", "8", "--enable-mixed"],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True,
                             env=dict(os.environ, PYTHONFAULTHANDLER="1"))

@@ -1,0 +1,59 @@
+"""The HTTP API's server: uvicorn on the router's event loop (beside the gRPC server, no thread of
+its own), on a socket bound here so that a bind error is the caller's ``ValueError``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import time
+from typing import Any, Awaitable, Callable
+
+import uvicorn
+
+from ..rpc.grpc_server import EventLoopThread
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot bind the HTTP server to {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    return sock
+
+
+class HttpServer:
+    def __init__(self, events: EventLoopThread, app: Callable[..., Awaitable[None]], host: str, port: int) -> None:
+        """Serve ``app`` on ``host:port`` (port > 0) from the event loop; returns once it accepts."""
+        sock = bind(host, port)
+        self.port: int = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
+                                backlog=2048)
+        self.server = uvicorn.Server(config)
+        self.events = events
+        self._done: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(
+            self.server.serve(sockets=[sock]), events.loop)
+        while not self.server.started and not self._done.done():
+            time.sleep(0.01)
+        if self._done.done():
+            self._done.result()  # its error
+            raise ValueError(f"the HTTP server on {host}:{port} stopped at start")
+
+    def shutdown(self, grace: float, wait: bool = True) -> None:
+        """Stop accepting, let responses in progress finish within ``grace`` seconds, then cancel them
+        (``wait=False``: begin that and return)."""
+        if self._done.done():
+            return
+        self.server.config.timeout_graceful_shutdown = max(int(grace), 1)
+        self.server.should_exit = True
+        if not wait:
+            return
+        try:
+            self._done.result(timeout=grace + 10)
+        except concurrent.futures.TimeoutError:
+            pass
