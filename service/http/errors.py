@@ -80,19 +80,15 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
-            return
         messages: list[Message] = []
         size = 0
         while True:  # read the body here, so that its size is known before the app sees it
             message = await receive()
-            messages.append(message)
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(receive, send, message, size)
                 return
+            messages.append(message)
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
@@ -101,7 +97,12 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, receive: Receive, send: Send, message: Message, size: int) -> None:
+        """413, after reading the rest of the body (up to 16 times the limit) so that the client, still
+        sending, reads the answer instead of a reset connection."""
+        while message.get("more_body") and size < 16 * self.max_bytes:
+            message = await receive()
+            size += len(message.get("body", b""))
         body = json.dumps(error_body(413, f"the request body is over the limit of {self.max_bytes} bytes")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

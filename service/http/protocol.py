@@ -92,7 +92,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: NonEmpty | TokenIds | list[NonEmpty] | list[TokenIds]
+    prompt: NonEmpty | TokenIds | Annotated[list[NonEmpty], Field(min_length=1)] | \
+        Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
