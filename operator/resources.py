@@ -2,7 +2,8 @@
 
 Per EngineSet ``NAME``: a StatefulSet ``NAME-engine`` (one pod per DP rank, rank = pod index), its
 headless Service ``NAME-engine`` (stable pod DNS for the router), a ConfigMap ``NAME-engine`` (DP_SIZE), a router Deployment ``NAME-router``
-and the client-facing Service ``NAME`` (Generate + Admin on 50051, metrics on 9090). All carry an
+and the client-facing Service ``NAME`` (Generate + Admin on 50051, the OpenAI HTTP API on 8000, metrics
+on 9090). All carry an
 owner reference to the EngineSet, so deleting it deletes them.
 """
 
@@ -15,6 +16,7 @@ from .spec import EngineSetSpec
 
 ENGINE_PORT = 50061
 ROUTER_PORT = 50051
+ROUTER_HTTP_PORT = 8000  # the Service's port of the OpenAI-compatible HTTP API (the pods': spec.router.httpPort)
 METRICS_PORT = 9090
 GROUP = "modeserve.io"
 VERSION = "v1alpha1"
@@ -192,7 +194,7 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
     rank 0 and learns the others from the operator's SetRanks only."""
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     ranks = ["--engineset", name, "--namespace", ns] if service_account else ["--engines", rank_address(name, ns, 0)]
-    args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
+    args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--http-port", str(spec.router_http_port),
             "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")
@@ -205,8 +207,10 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
                 {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "k8s.pod.name=$(POD_NAME)"},
                 *_tracing_env(spec, f"{name}-router")],
-        "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
-        "readinessProbe": {"grpc": {"port": ROUTER_PORT, "service": "modeserve.v1.Generate"}, "periodSeconds": 5},
+        "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "http", "containerPort": spec.router_http_port},
+                  {"name": "metrics", "containerPort": METRICS_PORT}],
+        # /health: 200 while a rank is ready and the router is not draining (the same for both APIs)
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"grpc": {"port": ROUTER_PORT, "service": ""}, "periodSeconds": 10,
                           "initialDelaySeconds": 30, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
@@ -239,5 +243,6 @@ def router_service(es: EngineSet) -> Obj:
                      "ownerReferences": [owner_reference(es)]},
         "spec": {"selector": selector(name, "router"),
                  "ports": [{"name": "grpc", "port": ROUTER_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
+                           {"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http", "appProtocol": "http"},
                            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
     }

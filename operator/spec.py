@@ -40,6 +40,7 @@ class EngineSetSpec:
     router_replicas: int = 1
     dispatch: str = "prefix"
     dp_lockstep: bool = False
+    router_http_port: int = 8000
     tracing_endpoint: str | None = None
     tracing_sampler: str | None = None
     tracing_sampler_arg: str | None = None
@@ -84,6 +85,9 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
     dispatch = str(router.get("dispatch", "prefix"))
     if dispatch not in DISPATCH:
         problems.append(f"spec.router.dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    http_port = router.get("httpPort", 8000)
+    if not isinstance(http_port, int) or not 1 <= http_port <= 65535:
+        problems.append(f"spec.router.httpPort must be a port in [1, 65535], got {http_port!r}")
     image = str(spec.get("image") or default_image)
     if not image:
         problems.append("spec.image is empty and the operator has no default image")
@@ -96,6 +100,7 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
         replicas=replicas, tensor_parallel_size=tp, pvc=model.get("pvc"), host_path=model.get("hostPath"),
         engine=engine, requests=requests, limits=limits, router_replicas=int(router.get("replicas", 1)),
         dispatch=dispatch, dp_lockstep=bool(router.get("dpLockstep", False)),
+        router_http_port=http_port,
         tracing_endpoint=tracing.get("endpoint") if tracing_on else None,
         tracing_sampler=tracing.get("sampler") if tracing_on else None,
         tracing_sampler_arg=tracing.get("samplerArg") if tracing_on else None,

@@ -108,7 +108,7 @@ def test_operator_pod_is_locked_down_and_rbac_is_least_privilege(helm: Path) -> 
 
 def test_values_schema_rejects_bad_values(helm: Path) -> None:
     for bad in ("autoscaling.maxReplicas=0", "image.pullPolicy=Sometimes", "sampleEngineSet.name=Bad_Name",
-                "nonsense=1", "router.serviceAccount.nonsense=1"):
+                "nonsense=1", "router.serviceAccount.nonsense=1", "sampleEngineSet.routerHttpPort=70000"):
         proc = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", bad], capture_output=True, text=True)
         assert proc.returncode != 0 and "schema" in proc.stderr.lower(), (bad, proc.stderr)
 
@@ -123,6 +123,17 @@ def test_routers_can_run_as_an_existing_service_account(helm: Path) -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mine", "namespace": "serving"}]
     operator = next(o for o in objs if o["kind"] == "Deployment")
     assert "--router-service-account=mine" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_sample_engineset_serves_http_and_notes_show_a_first_curl(helm: Path) -> None:
+    objs = render(helm, "sampleEngineSet.enabled=true", "sampleEngineSet.routerHttpPort=8080")
+    sample = next(o for o in objs if o["kind"] == "EngineSet")
+    assert sample["spec"]["router"]["httpPort"] == 8080
+    check_engineset(sample)
+    out = subprocess.run([str(helm), "install", "rel", str(CHART), "--dry-run", "--namespace", "serving", "--set",
+                          "sampleEngineSet.enabled=true"], capture_output=True, text=True, check=True).stdout
+    notes = out[out.index("NOTES:"):]
+    assert "port-forward svc/demo 8000:8000" in notes and "curl localhost:8000/v1/chat/completions" in notes
 
 
 def test_crd_has_scale_subresource_and_printer_columns() -> None:
@@ -152,6 +163,7 @@ SAMPLE = {
     (("spec", "engine", "page_size"), 16),  # engine values are strings
     (("spec", "autoscaling", "targetKvCacheUsage"), 1.5),
     (("spec", "imagePullPolicy"), "Sometimes"),
+    (("spec", "router", "httpPort"), 0),
 ])
 def test_crd_schema_accepts_sample_and_rejects_broken(path: tuple[str, ...], value: Any) -> None:
     check_engineset(SAMPLE)

@@ -66,11 +66,15 @@ def test_router_points_at_rank_zero_and_serves_generate() -> None:
     assert parsed.engines == "llama-engine-0.llama-engine.serving.svc:50061" and parsed.dispatch == "prefix"
     assert parsed.engineset is None and "serviceAccountName" not in pod  # no rights to read EngineSets
     assert parsed.metrics_port == res.METRICS_PORT
-    assert c["readinessProbe"]["grpc"]["service"] == "modeserve.v1.Generate"
+    assert parsed.http_port == res.ROUTER_HTTP_PORT
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"} and ports["http"] == parsed.http_port
     names = [e["name"] for e in c["env"]]  # the kubelet expands $(VAR) only for variables defined before
     assert c["env"][names.index("OTEL_RESOURCE_ATTRIBUTES")]["value"] == "k8s.pod.name=$(POD_NAME)"
     assert names.index("POD_NAME") < names.index("OTEL_RESOURCE_ATTRIBUTES")
     assert service["metadata"]["name"] == "llama" and service["spec"]["ports"][0]["port"] == 50051
+    http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+    assert (http["port"], http["targetPort"]) == (res.ROUTER_HTTP_PORT, "http")
 
 
 @pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
