@@ -1,6 +1,7 @@
-"""The load benches' client: greedy ``Generate`` streams from ``grpc.aio`` clients in separate
-processes (one client process cannot saturate a server: it is one core), a closed loop of a given
-concurrency; every stream's status code, tokens and arrival times come back to the caller."""
+"""The load benches' client: greedy streams from asyncio clients in separate processes (one client
+process cannot saturate a server: it is one core), over gRPC (``Generate``, ``grpc.aio``) or the
+OpenAI HTTP API (``/v1/completions`` as SSE, ``aiohttp``), a closed loop of a given concurrency; every
+stream's status code, tokens and arrival times come back to the caller."""
 
 from __future__ import annotations
 
@@ -56,20 +57,72 @@ async def one_stream(stub: Any, job: Job, max_new_tokens: int, timeout: float | 
     return out
 
 
+async def one_http_stream(session: Any, job: Job, max_new_tokens: int, timeout: float | None) -> StreamResult:
+    """The same request over HTTP: token ids from each SSE chunk (``return_token_ids``)."""
+    import json
+
+    import aiohttp
+
+    rid, prompt = job
+    body = {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    out = StreamResult(rid, "OK", time.monotonic(), 0.0)
+    last = 0.0
+    try:
+        async with session.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                out.code, out.details = f"HTTP_{resp.status}", await resp.text()
+            else:
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.monotonic()
+                    (choice,) = json.loads(line[6:])["choices"]
+                    tokens = choice["token_ids"]
+                    if tokens:
+                        if out.first is None:
+                            out.first = now
+                        else:
+                            out.gaps.extend([(now - last) / len(tokens)] * len(tokens))
+                        last = now
+                        out.token_ids.extend(tokens)
+                    out.finish_reason = choice["finish_reason"] or out.finish_reason
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out.code, out.details = type(exc).__name__, str(exc)
+    out.end = time.monotonic()
+    return out
+
+
 async def run_streams(stubs: Sequence[Any], jobs: Sequence[Job], max_new_tokens: int, concurrency: int,
-                      timeout: float | None = None) -> list[StreamResult]:
-    """Every job, at most ``concurrency`` in flight (a new one starts when one ends), round-robin over ``stubs``."""
+                      timeout: float | None = None, api: str = "grpc") -> list[StreamResult]:
+    """Every job, at most ``concurrency`` in flight (a new one starts when one ends), round-robin over
+    ``stubs`` (gRPC stubs, or HTTP sessions for ``api="http"``)."""
     pending = list(reversed(jobs))
     results: list[StreamResult] = []
 
     async def worker(k: int) -> None:
         n = 0
         while pending:
-            results.append(await one_stream(stubs[(k + n) % len(stubs)], pending.pop(), max_new_tokens, timeout))
+            stub = stubs[(k + n) % len(stubs)]
+            call = one_http_stream if api == "http" else one_stream
+            results.append(await call(stub, pending.pop(), max_new_tokens, timeout))
             n += 1
 
     await asyncio.gather(*(worker(k) for k in range(max(1, min(concurrency, len(jobs))))))
     return results
+
+
+async def _http_client(target: str, jobs: list[Job], max_new_tokens: int, concurrency: int, channels: int,
+                       timeout: float | None, barrier: Any) -> list[StreamResult]:
+    import aiohttp
+
+    sessions = [aiohttp.ClientSession(f"http://{target}", connector=aiohttp.TCPConnector(limit=0))
+                for _ in range(channels)]
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 120)
+        return await run_streams(sessions, jobs, max_new_tokens, concurrency, timeout, api="http")
+    finally:
+        await asyncio.gather(*(s.close() for s in sessions))
 
 
 async def _client(target: str, jobs: list[Job], max_new_tokens: int, concurrency: int, channels: int,
@@ -91,20 +144,22 @@ async def _client(target: str, jobs: list[Job], max_new_tokens: int, concurrency
 
 
 def _client_process(target: str, jobs: list[Job], max_new_tokens: int, concurrency: int, channels: int,
-                    timeout: float | None, barrier: Any, out: Any) -> None:
-    out.put(asyncio.run(_client(target, jobs, max_new_tokens, concurrency, channels, timeout, barrier)))
+                    timeout: float | None, barrier: Any, out: Any, api: str) -> None:
+    client = _http_client if api == "http" else _client
+    out.put(asyncio.run(client(target, jobs, max_new_tokens, concurrency, channels, timeout, barrier)))
 
 
 def run_clients(target: str, jobs: Sequence[Job], max_new_tokens: int, concurrency: int, processes: int = 4,
-                channels: int = 1, timeout: float | None = None) -> list[StreamResult]:
-    """``jobs`` split over ``processes`` client processes (each ``channels`` channels), ``concurrency``
-    in flight in all; every process starts sending when all are connected. Raises if one dies."""
+                channels: int = 1, timeout: float | None = None, api: str = "grpc") -> list[StreamResult]:
+    """``jobs`` split over ``processes`` client processes (each ``channels`` channels or HTTP sessions),
+    ``concurrency`` in flight in all; every process starts sending when all are connected. Raises if one
+    dies. ``target``: the gRPC address, or for ``api="http"`` the HTTP API's ``host:port``."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold gRPC or torch threads
     n = max(1, min(processes, concurrency, len(jobs)))
     barrier, out = ctx.Barrier(n), ctx.Queue()
     procs = [ctx.Process(target=_client_process, daemon=True,
                          args=(target, list(jobs[i::n]), max_new_tokens, concurrency // n + (i < concurrency % n),
-                               channels, timeout, barrier, out)) for i in range(n)]
+                               channels, timeout, barrier, out, api)) for i in range(n)]
     for p in procs:
         p.start()
     results: list[StreamResult] = []

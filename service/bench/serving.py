@@ -1,5 +1,5 @@
-"""Serving load generator: fixed-length greedy requests over gRPC on loopback against ``modeserve
-serve`` and ``modeserve router`` + ``engine`` processes, a closed loop at each concurrency, from
+"""Serving load generator: fixed-length greedy requests over gRPC and/or the OpenAI HTTP API on
+loopback against ``modeserve serve`` and ``modeserve router`` + ``engine`` processes, a closed loop at each concurrency, from
 asyncio clients in separate processes; output tok/s, TTFT and ITL per target and concurrency, next
 to the offline figures of the same workload measured in the same run (``offline_ref``)."""
 
@@ -11,9 +11,10 @@ from typing import Any, Sequence
 
 from ..cli.engine_args import add_engine_args, engine_kwargs
 from .load_client import StreamResult, percentile, run_clients, status_counts
-from .servers import server
+from .servers import free_port, server
 
 TARGETS = {"serve": ("serve",), "router": ("router",), "both": ("serve", "router")}
+APIS = {"grpc": ("grpc",), "http": ("http",), "both": ("grpc", "http")}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -53,34 +54,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         folder, load_format = model_folder(args, tmp)
         engine_args = {"load_format": load_format, **workload_engine_args(args, max(levels))}
         vocab = vocab_size(folder)
-        prompt_sets = [random_prompts(vocab, n, n_in, seed=k).tolist() for k in range(len(levels))]
-        single = random_prompts(vocab, 1, n_in, seed=len(levels)).tolist()[0]
+        apis = APIS[args.api]  # a fresh prompt set per level and API: no prefix-cache hits across them
+        prompt_sets = {(k, api): random_prompts(vocab, n, n_in, seed=k * len(apis) + j).tolist()
+                       for k in range(len(levels)) for j, api in enumerate(apis)}
+        single = random_prompts(vocab, 1, n_in, seed=len(prompt_sets)).tolist()[0]
         from .offline_ref import measure_in_child
 
         warm = random_prompts(vocab, 8, n_in, seed=99).tolist()  # first-use costs stay out of every timing
-        offline = measure_in_child(str(folder), engine_args, prompt_sets[0], n_out, single, warm, args.threads)
+        offline = measure_in_child(str(folder), engine_args, prompt_sets[0, apis[0]], n_out, single, warm, args.threads)
         env = {"OMP_NUM_THREADS": str(args.threads)}  # the offline run's torch threads, in every server process
         rows = []
         for target in TARGETS[args.target]:
-            with server(target, str(folder), engine_args, max(levels) + 64, env) as address:
+            http_port = free_port() if "http" in apis else 0
+            with server(target, str(folder), engine_args, max(levels) + 64, env, http_port) as address:
                 run_clients(address, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
-                for k, c in enumerate(levels):  # a fresh prompt set per level: no prefix-cache hits across levels
+                for k, c in enumerate(levels):
                     count = min(n, max(args.waves * c, 4))  # a level runs that many waves of requests
-                    jobs = [(f"{target}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k][:count])]
-                    results = run_clients(address, jobs, n_out, c, args.processes, args.channels, args.timeout)
-                    row = {"target": target, "concurrency": c, **summarize(results, n_out)}
-                    row["vs_offline_output_tok_s"] = round(row["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
-                    if c == 1 and row["itl_ms_p50"] is not None:
-                        row["itl_p50_vs_offline_decode_step"] = round(row["itl_ms_p50"] / offline["decode_step_ms_batch1"], 3)
-                    rows.append(row)
-    top = [r for r in rows if r["concurrency"] == max(levels)]
+                    for api in apis:
+                        jobs = [(f"{target}-{api}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k, api][:count])]
+                        at = f"127.0.0.1:{http_port}" if api == "http" else address
+                        results = run_clients(at, jobs, n_out, c, args.processes, args.channels, args.timeout, api)
+                        rows.append(_row(target, api, c, summarize(results, n_out), offline))
+    top = [r for r in rows if r["concurrency"] == max(levels) and r["api"] == apis[0]]
     return {"bench": "serving", "model": args.model or f"random:{args.shape}",
             "device": engine_args.get("device", "cpu"), "num_prompts": n, "input_len": n_in, "output_len": n_out,
             "concurrency": levels, "torch_threads": args.threads, "client_processes": args.processes, "channels_per_process": args.channels,
             "engine_args": engine_args, "offline": offline, "results": rows,
             "serving_vs_offline_at_max_concurrency": {r["target"]: r["vs_offline_output_tok_s"] for r in top},
-            "itl_p50_vs_decode_step_at_concurrency_1": {r["target"]: r["itl_p50_vs_offline_decode_step"]
-                                                        for r in rows if "itl_p50_vs_offline_decode_step" in r}}
+            "itl_p50_vs_decode_step_at_concurrency_1": {f"{r['target']}/{r['api']}": r["itl_p50_vs_offline_decode_step"]
+                                                        for r in rows if "itl_p50_vs_offline_decode_step" in r},
+            "http_vs_grpc_output_tok_s": _http_vs_grpc(rows)}
+
+
+def _row(target: str, api: str, c: int, summary: dict[str, Any], offline: dict[str, Any]) -> dict[str, Any]:
+    row = {"target": target, "api": api, "concurrency": c, **summary}
+    row["vs_offline_output_tok_s"] = round(row["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
+    if c == 1 and row["itl_ms_p50"] is not None:
+        row["itl_p50_vs_offline_decode_step"] = round(row["itl_ms_p50"] / offline["decode_step_ms_batch1"], 3)
+    return row
+
+
+def _http_vs_grpc(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per target and concurrency: HTTP's output tok/s over gRPC's (the same server, prompts and run)."""
+    grpc = {(r["target"], r["concurrency"]): r["output_tokens_per_s"] for r in rows if r["api"] == "grpc"}
+    return {f"{r['target']}/c{r['concurrency']}": round(r["output_tokens_per_s"] / grpc[r["target"], r["concurrency"]], 3)
+            for r in rows if r["api"] == "http" and grpc.get((r["target"], r["concurrency"]))}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="tiny", help="preset (tiny, llama-3.1-8b, ...) or a config.json path")
     p.add_argument("--target", choices=sorted(TARGETS), default="both",
                    help="serve: one process; router: modeserve router + one modeserve engine; both")
+    p.add_argument("--api", choices=sorted(APIS), default="grpc",
+                   help="grpc: Generate streams; http: /v1/completions SSE streams; both: each on the same server")
     p.add_argument("--concurrency", default="1,64,512", help="requests in flight (closed loop), one run each")
     p.add_argument("--num-prompts", type=int, default=512, help="requests at most per concurrency level (and offline)")
     p.add_argument("--waves", type=int, default=2, help="a level runs waves x concurrency requests (at least 4)")

@@ -4,7 +4,6 @@ templates and text work), free ports, ``modeserve`` processes serving HTTP, the 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 from modeserve.engine import LLM, SamplingParams
 from modeserve.engine.default_model import default_model_path
 from modeserve.engine.tokenizer import load_tokenizer
+from modeserve.service.bench.servers import free_port
 from modeserve.service.rpc.engine_process import read_address, stop_process
 from tests.engine.tiny_models import make_tiny_model
 
@@ -33,12 +33,6 @@ def tiny_model_with_tokenizer(folder: Path) -> Path:
     make_tiny_model("llama3", folder, vocab_size=tokenizer.vocab_size)
     tokenizer.hf_tokenizer.save_pretrained(folder)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def call(base: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
