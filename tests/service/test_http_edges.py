@@ -131,3 +131,35 @@ def test_tokenize_and_detokenize_round_trip(app: tuple[RouterApp, str], tmp_path
     status, text = call(base, "/detokenize", {"tokens": tok["tokens"]})
     assert (status, text) == (200, {"prompt": "Hello, world"})
     assert call(base, "/tokenize", {})[0] == 400  # neither prompt nor messages
+
+
+def test_http_request_span_is_a_child_of_the_clients_traceparent(tmp_path: Path) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.telemetry.tracing import Tracing
+
+    model = tiny_model_with_tokenizer(tmp_path / "m")
+    exporter = InMemorySpanExporter()
+    port = free_port()
+    app = start_serve("127.0.0.1:0", str(model), tracing=Tracing("router", 0, env={}, exporter=exporter),
+                      page_size=4, http=HttpAddress("127.0.0.1", port))
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True})
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "traceparent": f"00-{trace_id}-{parent_id}-01"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.loads(resp.read())["usage"]["completion_tokens"] == 3
+    finally:
+        app.stop(grace=1)
+    spans = exporter.get_finished_spans()
+    (chat,) = [s for s in spans if s.name.startswith("chat ")]
+    assert chat.context is not None and format(chat.context.trace_id, "032x") == trace_id
+    assert chat.parent is not None and format(chat.parent.span_id, "016x") == parent_id
+    assert chat.attributes is not None and chat.attributes["gen_ai.operation.name"] == "chat"
+    assert chat.attributes["gen_ai.usage.output_tokens"] == 3
+    forwards = [s for s in spans if s.name == "modeserve.forward"]
+    assert {s.attributes["modeserve.forward_mode"] for s in forwards if s.attributes} >= {"EXTEND", "DECODE"}
