@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ...engine.config import SchedulerConfig
+from ..router.api_key import load_api_key
 from ..router.app import HttpAddress, serve_app
 from ..router.dispatch import POLICIES
 from ..router.remote import RemoteRouterConfig, start_remote_router
@@ -36,8 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dispatch", choices=POLICIES, default="prefix",
                    help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--http-port", type=int, default=8000, help="serve the OpenAI-compatible HTTP API on this port "
-                                                               "(0: off)")
+    add_public_api_args(p)
     p.add_argument("--dp-lockstep", action="store_true",
                    help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
@@ -58,6 +58,15 @@ def engineset_watch(name: str, namespace: str | None) -> EngineSetWatch:
     return EngineSetWatch(api_client_from_environment(), namespace, name)
 
 
+def add_public_api_args(p: argparse.ArgumentParser) -> None:
+    """The flags of what clients reach (``serve`` and ``router``): the HTTP port, the API key."""
+    p.add_argument("--http-port", type=int, default=8000, help="serve the OpenAI-compatible HTTP API on this port "
+                                                               "(0: off)")
+    p.add_argument("--api-key", default=None, help="Generate calls and HTTP requests must carry "
+                                                   "'authorization: Bearer KEY' (health stays open)")
+    p.add_argument("--api-key-file", default=None, help="as --api-key, the key read from this file (a mounted Secret)")
+
+
 def http_address(args: argparse.Namespace) -> HttpAddress | None:
     if not 0 <= args.http_port < 65536:
         raise ValueError(f"--http-port must be in [0, 65536), got {args.http_port}")
@@ -69,7 +78,7 @@ def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
     ``--max-queued-requests``, ``--metrics-port``, ``--http-port``."""
     return RemoteRouterConfig(SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), overlap=args.overlap,
                               max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
-                              http=http_address(args))
+                              http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from .engine_args import add_engine_args, engine_kwargs
+from .router import add_public_api_args
 
 
 def add_parser(sub: Any) -> None:
@@ -26,8 +27,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish streams on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--http-port", type=int, default=8000, help="serve the OpenAI-compatible HTTP API on this port "
-                                                               "(0: off)")
+    add_public_api_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -36,13 +36,15 @@ def run(args: argparse.Namespace) -> int:
     from ..router.app import serve_app
     from ..router.in_process import start_serve
     from ..rpc.grpc_server import grpc_address
+    from ..router.api_key import load_api_key
     from .router import http_address
 
     if args.engine_process:
         return _run_over_engine_process(args)
     app = start_serve(grpc_address(args.host, args.port), args.model, overlap=args.overlap,
                       max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
-                      http=http_address(args), **engine_kwargs(args))
+                      http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file),
+                      **engine_kwargs(args))
     return serve_app(app, "serve", args.host, args.grace_period)
 
 

@@ -1,5 +1,5 @@
 """Every HTTP error as OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``):
-bad bodies 400 naming the field, unknown models 404, oversized bodies 413, a full queue 429, a
+bad bodies 400 naming the field, no API key 401, unknown models 404, oversized bodies 413, a full queue 429, a
 draining router 503."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 

@@ -12,9 +12,10 @@ import uuid
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..router.api_key import bearer_ok
 from ..router.generation import Delta, Generation, Usage
 from ..router.rank_loop import QueueFullError
 from ..router.request_handle import RequestHandle
@@ -244,15 +245,29 @@ class OpenAIApi:
         return JSONResponse({"status": "ok"})
 
 
-def create_app(generation: Generation, max_body_bytes: int = MAX_BODY_BYTES) -> Callable[..., Awaitable[None]]:
-    """The ASGI app: FastAPI routes behind the body-size limit."""
+def key_check(key: str | None) -> list[Any]:
+    """The dependency that refuses a request without ``Authorization: Bearer KEY`` (none without a key)."""
+    if key is None:
+        return []
+
+    async def check(request: Request) -> None:
+        if not bearer_ok(key, request.headers.get("authorization")):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer <key>", code="invalid_api_key")
+
+    return [Depends(check)]
+
+
+def create_app(generation: Generation, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Callable[..., Awaitable[None]]:
+    """The ASGI app: FastAPI routes (all but /health asking for ``api_key`` if given) behind the body-size limit."""
     api = OpenAIApi(generation)
     app = FastAPI(title="modeserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    guarded = key_check(api_key)
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/v1/models", api.models, methods=["GET"], dependencies=guarded)
     app.add_api_route("/health", api.health, methods=["GET"])
-    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"], dependencies=guarded)
     return BodyLimit(app, max_body_bytes)

@@ -15,6 +15,7 @@ from ..rpc.grpc_server import wait_for_signal
 from ..telemetry.metrics import MetricsServer
 from ..telemetry.tracing import Tracing
 from .admin_servicer import ADMIN_SERVICE, AdminServicer
+from .api_key import ApiKeyInterceptor
 from .generate_servicer import GENERATE_SERVICE, GenerateServicer
 from .generation import Generation
 from .rank_loop import RankLoop
@@ -75,9 +76,10 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threadi
 
 def start_router(address: str, events: EventLoopThread, table: RankTable, parser: RequestParser, model_name: str,
                  eos_token_ids: Sequence[int], metrics_port: int | None = None,
-                 tracing: Tracing | None = None, http: HttpAddress | None = None) -> RouterApp:
-    """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``;
-    /metrics on ``metrics_port``."""
+                 tracing: Tracing | None = None, http: HttpAddress | None = None,
+                 api_key: str | None = None) -> RouterApp:
+    """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``
+    (both asking for ``api_key`` if given); /metrics on ``metrics_port``."""
     metrics = MetricsServer(table.samples, router=True)
     if metrics_port is not None:
         metrics.start(metrics_port)
@@ -88,11 +90,11 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
     server = GrpcServer(events, address,
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
                         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
-                       [GENERATE_SERVICE, ADMIN_SERVICE])
+                       [GENERATE_SERVICE, ADMIN_SERVICE], [ApiKeyInterceptor(api_key)] if api_key else [])
     app = RouterApp(events, server, servicer, table, metrics, tracing)
     if http is not None:
         try:
-            app.http = HttpServer(events, create_app(generation), http.host, http.port)
+            app.http = HttpServer(events, create_app(generation, api_key), http.host, http.port)
         except BaseException:
             app.stop(0)
             raise

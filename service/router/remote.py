@@ -42,6 +42,7 @@ class RemoteRouterConfig:
     health_interval: float = 1.0
     metrics_port: int | None = None
     http: HttpAddress | None = None  # where to serve the OpenAI HTTP API (None: not at all)
+    api_key: str | None = None  # what Generate and HTTP calls must carry (None: nothing)
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, cfg: RemoteRouterConfig,
@@ -103,4 +104,4 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     parser = RequestParser(tokenizer, limits, cfg.scheduler.random_seed)
     return start_router(address, events, table, parser, desc.model, list(desc.eos_token_ids), cfg.metrics_port,
-                        tracing, cfg.http)
+                        tracing, cfg.http, cfg.api_key)

@@ -23,16 +23,20 @@ class Completion:
 
 
 class GenerateClient:
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """``api_key``: sent as ``authorization: Bearer KEY``; ``credentials``: TLS (plaintext without)."""
+        self.channel = (grpc.secure_channel(target, credentials) if credentials is not None
+                        else grpc.insecure_channel(target))
         self.stub = generate_pb2_grpc.GenerateStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def stream(self, text: str = "", token_ids: Sequence[int] = (), chat: bool = False,
                timeout: float | None = None, request_id: str = "",
                **sampling: Any) -> Iterator[generate_pb2.GenerateResponse]:
         req = generate_pb2.GenerateRequest(request_id=request_id, text=text, token_ids=list(token_ids), chat=chat,
                                            sampling=generate_pb2.SamplingParams(**sampling))
-        return self.stub.Generate(req, timeout=timeout)  # type: ignore[no-any-return]
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)  # type: ignore[no-any-return]
 
     def generate(self, text: str = "", token_ids: Sequence[int] = (), chat: bool = False,
                  timeout: float | None = None, **sampling: Any) -> Completion:
@@ -48,10 +52,11 @@ class GenerateClient:
         return out
 
     def tokenize(self, text: str, chat: bool = False) -> list[int]:
-        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(text=text, chat=chat)).token_ids)
+        return list(self.stub.Tokenize(generate_pb2.TokenizeRequest(text=text, chat=chat),
+                                       metadata=self.metadata).token_ids)
 
     def model_info(self) -> generate_pb2.ModelInfoResponse:
-        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest())
+        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -64,11 +69,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--api-key", default=None, help="the server's API key (sent as authorization: Bearer KEY)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    client = GenerateClient(args.server)
+    client = GenerateClient(args.server, api_key=args.api_key)
     try:
         for msg in client.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature):

@@ -55,15 +55,16 @@ class EventLoopThread:
 
 class GrpcServer:
     def __init__(self, loop: EventLoopThread, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
-                 service_names: Sequence[str]) -> None:
+                 service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port);
         ``ValueError`` when it cannot bind."""
         self.service_names = tuple(service_names)
         self.events = loop
-        self.port = loop.run(self._start(address, register))
+        self.port = loop.run(self._start(address, register, interceptors))
 
-    async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]]) -> int:
-        self.server = grpc.aio.server(options=[
+    async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
+                     interceptors: Sequence[grpc.aio.ServerInterceptor]) -> int:
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC core cancels calls that wait unmatched while more than its default of pending ones
             # queue (a burst of streams on a busy loop); admission here is --max-queued-requests
