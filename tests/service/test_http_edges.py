@@ -163,3 +163,15 @@ def test_http_request_span_is_a_child_of_the_clients_traceparent(tmp_path: Path)
     assert chat.attributes["gen_ai.usage.output_tokens"] == 3
     forwards = [s for s in spans if s.name == "modeserve.forward"]
     assert {s.attributes["modeserve.forward_mode"] for s in forwards if s.attributes} >= {"EXTEND", "DECODE"}
+
+
+def test_http_socket_says_tcp_so_asyncio_turns_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY on accepted sockets only when the listening one is IPPROTO_TCP; with
+    Nagle on, each SSE chunk on a kept-alive connection waited for the client's delayed ACK."""
+    from modeserve.service.http.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP and sock.type == socket.SOCK_STREAM
+    finally:
+        sock.close()
