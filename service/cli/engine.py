@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from .engine_args import add_engine_args, engine_kwargs
+from .tls_args import add_tls_args, tls_files
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def add_parser(sub: Any) -> None:
                    help="seconds in-flight streams get to finish after SIGTERM")
     p.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="stop as on SIGTERM when stdin closes (a parent holding the pipe: the engine ends with it)")
+    add_tls_args(p, "PEM CA: mutual TLS, only clients (routers) with a certificate it signed get in")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -54,10 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if args.exit_on_stdin_eof:
         exit_on_stdin_eof()
     address = grpc_address(args.host, args.port)
+    tls = tls_files(args)
+    if tls is not None and not tls.serves_tls:
+        raise ValueError("engine: --tls-ca needs --tls-cert and --tls-key")
     parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
     runner = parts.runner
     srv = create_engine_server(runner, address, model_path=str(parts.path), eos_token_ids=parts.eos_token_ids,
-                               dp_rank=args.dp_rank, metrics_port=args.metrics_port)
+                               dp_rank=args.dp_rank, metrics_port=args.metrics_port, tls=tls)
     host = address.rsplit(":", 1)[0]
     print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
     logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,

@@ -14,6 +14,7 @@ from ..router.dispatch import POLICIES
 from ..router.remote import RemoteRouterConfig, start_remote_router
 from ..rpc.grpc_server import grpc_address
 from .engine_args import add_engine_args, engine_kwargs
+from .tls_args import add_tls_args, tls_files
 
 if TYPE_CHECKING:  # the kubernetes client is imported only when the router follows an EngineSet
     from ..router.engineset_watch import EngineSetWatch
@@ -38,6 +39,8 @@ def add_parser(sub: Any) -> None:
                    help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     add_public_api_args(p)
+    add_tls_args(p, "PEM CA of the engines' certificates: talk TLS to engines (presenting --tls-cert, for engines "
+                    "that ask for mutual TLS)")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
@@ -76,9 +79,12 @@ def http_address(args: argparse.Namespace) -> HttpAddress | None:
 def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
     """The settings ``router`` and ``serve`` share: scheduler flags, ``--overlap``,
     ``--max-queued-requests``, ``--metrics-port``, ``--http-port``."""
+    tls = tls_files(args)
     return RemoteRouterConfig(SchedulerConfig(**engine_kwargs(args, (SchedulerConfig,))), overlap=args.overlap,
                               max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
-                              http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file))
+                              http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file),
+                              tls=tls if tls is not None and tls.serves_tls else None,
+                              engine_tls=tls if tls is not None and tls.ca is not None else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import socket
 import time
 from typing import Any, Awaitable, Callable
@@ -12,6 +13,9 @@ from typing import Any, Awaitable, Callable
 import uvicorn
 
 from ..rpc.grpc_server import EventLoopThread
+from ..rpc.tls import TlsFiles, file_stamp
+
+logger = logging.getLogger(__name__)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -30,12 +34,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HttpServer:
-    def __init__(self, events: EventLoopThread, app: Callable[..., Awaitable[None]], host: str, port: int) -> None:
-        """Serve ``app`` on ``host:port`` (port > 0) from the event loop; returns once it accepts."""
+    def __init__(self, events: EventLoopThread, app: Callable[..., Awaitable[None]], host: str, port: int,
+                 tls: TlsFiles | None = None) -> None:
+        """Serve ``app`` on ``host:port`` (port > 0) from the event loop, over TLS with ``tls`` (its
+        certificate re-read when the files change); returns once it accepts."""
         sock = bind(host, port)
         self.port: int = sock.getsockname()[1]
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,
-                                backlog=2048)
+                                backlog=2048, ssl_certfile=tls.cert if tls else None,
+                                ssl_keyfile=tls.key if tls else None)
         self.server = uvicorn.Server(config)
         self.events = events
         self._done: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(
@@ -45,10 +52,28 @@ class HttpServer:
         if self._done.done():
             self._done.result()  # its error
             raise ValueError(f"the HTTP server on {host}:{port} stopped at start")
+        self._reloader = (asyncio.run_coroutine_threadsafe(self._reload_certificate(tls), events.loop)
+                          if tls is not None else None)
+
+    async def _reload_certificate(self, tls: TlsFiles, every: float = 1.0) -> None:
+        """Load the certificate into the server's SSL context again when its files change (new
+        connections get it; open ones keep theirs)."""
+        stamp = file_stamp(tls)
+        while not self._done.done():
+            await asyncio.sleep(every)
+            try:
+                now = file_stamp(tls)
+                if now != stamp and self.server.config.ssl is not None:
+                    self.server.config.ssl.load_cert_chain(tls.cert, tls.key)  # type: ignore[arg-type]
+                    stamp = now
+            except (OSError, ValueError) as exc:  # mid-rotation: try again
+                logger.warning("TLS files unreadable, keeping the current certificate: %s", exc)
 
     def shutdown(self, grace: float, wait: bool = True) -> None:
         """Stop accepting, let responses in progress finish within ``grace`` seconds, then cancel them
         (``wait=False``: begin that and return)."""
+        if self._reloader is not None:
+            self._reloader.cancel()
         if self._done.done():
             return
         self.server.config.timeout_graceful_shutdown = max(int(grace), 1)

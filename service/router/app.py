@@ -12,6 +12,7 @@ from ..http.routes import create_app
 from ..http.server import HttpServer
 from ..rpc.grpc_server import EventLoopThread, GrpcServer
 from ..rpc.grpc_server import wait_for_signal
+from ..rpc.tls import ReloadingServerCredentials, TlsFiles
 from ..telemetry.metrics import MetricsServer
 from ..telemetry.tracing import Tracing
 from .admin_servicer import ADMIN_SERVICE, AdminServicer
@@ -77,9 +78,10 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threadi
 def start_router(address: str, events: EventLoopThread, table: RankTable, parser: RequestParser, model_name: str,
                  eos_token_ids: Sequence[int], metrics_port: int | None = None,
                  tracing: Tracing | None = None, http: HttpAddress | None = None,
-                 api_key: str | None = None) -> RouterApp:
+                 api_key: str | None = None, tls: TlsFiles | None = None) -> RouterApp:
     """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``
-    (both asking for ``api_key`` if given); /metrics on ``metrics_port``."""
+    (both asking for ``api_key`` if given, both over TLS with ``tls``); /metrics on ``metrics_port``."""
+    credentials = ReloadingServerCredentials(tls, require_client_cert=False).credentials if tls else None
     metrics = MetricsServer(table.samples, router=True)
     if metrics_port is not None:
         metrics.start(metrics_port)
@@ -90,11 +92,12 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
     server = GrpcServer(events, address,
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
                         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
-                       [GENERATE_SERVICE, ADMIN_SERVICE], [ApiKeyInterceptor(api_key)] if api_key else [])
+                       [GENERATE_SERVICE, ADMIN_SERVICE], [ApiKeyInterceptor(api_key)] if api_key else [],
+                        credentials)
     app = RouterApp(events, server, servicer, table, metrics, tracing)
     if http is not None:
         try:
-            app.http = HttpServer(events, create_app(generation, api_key), http.host, http.port)
+            app.http = HttpServer(events, create_app(generation, api_key), http.host, http.port, tls)
         except BaseException:
             app.stop(0)
             raise

@@ -4,6 +4,7 @@ the engine's description, driving it over one Forward stream), ranks from a list
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -14,6 +15,7 @@ from ...engine.tokenizer import Tokenizer, load_tokenizer
 from ..rpc.grpc_server import EventLoopThread
 from ..rpc.engine_client import describe_engine, engine_healthy
 from ..rpc.grpc_executor import GrpcExecutor
+from ..rpc.tls import TlsFiles
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
 from .app import HttpAddress, RouterApp, start_router
@@ -43,6 +45,8 @@ class RemoteRouterConfig:
     metrics_port: int | None = None
     http: HttpAddress | None = None  # where to serve the OpenAI HTTP API (None: not at all)
     api_key: str | None = None  # what Generate and HTTP calls must carry (None: nothing)
+    tls: TlsFiles | None = None  # the router's own servers over TLS (gRPC and HTTP)
+    engine_tls: TlsFiles | None = None  # TLS to the engines (its CA verifies them; its certificate is presented)
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, cfg: RemoteRouterConfig,
@@ -67,7 +71,7 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
     if not initial:
         raise ValueError("router: no engines")
     first = next((s for s in initial if not s.draining), initial[0])
-    _, desc = describe_engine(first.address, cfg.wait)  # the model's facts: tokenizer, limits
+    _, desc = describe_engine(first.address, cfg.wait, cfg.engine_tls)  # the model's facts: tokenizer, limits
     source = model or (desc.model_path if Path(desc.model_path).exists() else None)
     tokenizer: Tokenizer | None = load_tokenizer(source) if source else None
     decode = tokenizer.decode if tokenizer is not None else None
@@ -76,7 +80,7 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
     events = EventLoopThread()
 
     def connect(rank: int, addr: str, on_failure: Callable[[RankLoop, list[RequestHandle]], None]) -> RankLoop:
-        channel, d = describe_engine(addr, cfg.wait)
+        channel, d = describe_engine(addr, cfg.wait, cfg.engine_tls)
         if d.model != desc.model or d.vocab_size != desc.vocab_size:
             raise ValueError(f"engine {addr} serves {d.model!r}, the router serves {desc.model!r}")
         sched_cfg = dataclasses.replace(cfg.scheduler, max_running_requests=min(cfg.scheduler.max_running_requests,
@@ -93,7 +97,8 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
         loop.start()
         return loop
 
-    table = RankTable(connect, Dispatcher(cfg.dispatch), health=engine_healthy, health_interval=cfg.health_interval,
+    table = RankTable(connect, Dispatcher(cfg.dispatch), health=functools.partial(engine_healthy, tls=cfg.engine_tls),
+                      health_interval=cfg.health_interval,
                       post=events.post)
     table.set_ranks(initial)
     if follow is not None:
@@ -104,4 +109,4 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     parser = RequestParser(tokenizer, limits, cfg.scheduler.random_seed)
     return start_router(address, events, table, parser, desc.model, list(desc.eos_token_ids), cfg.metrics_port,
-                        tracing, cfg.http, cfg.api_key)
+                        tracing, cfg.http, cfg.api_key, cfg.tls)

@@ -70,11 +70,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", default=None, help="the server's API key (sent as authorization: Bearer KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA of the server's certificate: connect over TLS")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    client = GenerateClient(args.server, api_key=args.api_key)
+    from .tls import TlsFiles, channel_credentials
+
+    credentials = channel_credentials(TlsFiles(ca=args.tls_ca)) if args.tls_ca else None
+    client = GenerateClient(args.server, api_key=args.api_key, credentials=credentials)
     try:
         for msg in client.stream(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                                  temperature=args.temperature):

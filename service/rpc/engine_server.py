@@ -22,6 +22,7 @@ from .convert import BatchLimits, mode_stats_to_proto
 from .engine_client import ENGINE_SERVICE
 from .forward_stream import ForwardStream, SharedRunner, StepError
 from .grpc_server import EventLoopThread, GrpcServer
+from .tls import ReloadingServerCredentials, TlsFiles
 from ..telemetry.metrics import MetricsServer, RankSample
 from ..telemetry.tracing import Tracing
 
@@ -135,13 +136,15 @@ class EngineServer:
 
 def create_engine_server(runner: ModelRunner, address: str, *, model_path: str | None = None,
                          eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0,
-                         metrics_port: int | None = None) -> EngineServer:
-    """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection."""
+                         metrics_port: int | None = None, tls: TlsFiles | None = None) -> EngineServer:
+    """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection; over
+    TLS with ``tls`` (mutual, when it names a CA: only routers with a certificate it signed get in)."""
+    credentials = ReloadingServerCredentials(tls, tls.ca is not None).credentials if tls is not None else None
     servicer = EngineServicer(runner, describe_runner(runner, model_path, eos_token_ids, dp_rank),
                               Tracing("engine", dp_rank))
     events = EventLoopThread("engine-grpc")
     servicer.server = GrpcServer(events, address, [lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s)],
-                                 [ENGINE_SERVICE])
+                                 [ENGINE_SERVICE], credentials=credentials)
     srv = EngineServer(events, servicer.server, servicer)
     if metrics_port is not None:
         srv.metrics = MetricsServer(lambda: [servicer.rank_sample()], router=False)

@@ -55,15 +55,17 @@ class EventLoopThread:
 
 class GrpcServer:
     def __init__(self, loop: EventLoopThread, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
-                 service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port);
-        ``ValueError`` when it cannot bind."""
+                 service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
+        """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port), over
+        TLS with ``credentials``; ``ValueError`` when it cannot bind."""
         self.service_names = tuple(service_names)
         self.events = loop
-        self.port = loop.run(self._start(address, register, interceptors))
+        self.port = loop.run(self._start(address, register, interceptors, credentials))
 
     async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
-                     interceptors: Sequence[grpc.aio.ServerInterceptor]) -> int:
+                     interceptors: Sequence[grpc.aio.ServerInterceptor],
+                     credentials: grpc.ServerCredentials | None) -> int:
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC core cancels calls that wait unmatched while more than its default of pending ones
@@ -77,7 +79,8 @@ class GrpcServer:
         reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.server)
         try:
-            port = self.server.add_insecure_port(address)
+            port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                    else self.server.add_insecure_port(address))
         except RuntimeError as exc:
             raise ValueError(f"cannot bind gRPC server to {address!r}: {exc}") from exc
         if port == 0:

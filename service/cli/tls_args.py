@@ -1,0 +1,23 @@
+"""The TLS flags every server command shares (``--tls-cert``, ``--tls-key``, ``--tls-ca``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..rpc.tls import TlsFiles
+
+
+def add_tls_args(p: argparse.ArgumentParser, ca_help: str | None) -> None:
+    """``ca_help`` None: the command takes no ``--tls-ca``."""
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (re-read when the file changes)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    if ca_help is not None:
+        p.add_argument("--tls-ca", default=None, help=ca_help)
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The files given (``ValueError`` for a missing one or a lone cert/key); None for none."""
+    ca = getattr(args, "tls_ca", None)
+    if args.tls_cert is None and args.tls_key is None and ca is None:
+        return None
+    return TlsFiles(args.tls_cert, args.tls_key, ca)
