@@ -25,6 +25,7 @@ from modeserve.service.router.remote import RemoteRouterConfig, start_remote_rou
 from tests.engine.tiny_models import COMMON, mixed_prompts
 from tests.service.test_router_remote import spawn
 from tests.service.test_serve import generate_all, reference
+from tests.service.test_tls import pki
 
 SCHED = SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5)
 
@@ -90,14 +91,22 @@ def test_three_ranks_48_streams_and_prefix_dispatch(router_over: Callable, tiny_
     assert sorted(gained)[:2] == [0, 0] and max(gained) >= 6 * 48  # all hits on one rank
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram", "draft"])
-def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, speculative: str | None) -> None:
-    """With n-gram drafts, and with a draft model in each engine, too: a request moved to another rank
-    mid-run keeps what was delivered (its accepted runs included) and goes on without a gap or a repeat."""
+@pytest.mark.parametrize("variant", [None, "ngram", "draft", "mutual-tls"])
+def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, variant: str | None,
+                                          tmp_path: Path) -> None:
+    """With n-gram drafts, with a draft model in each engine, and with mutual TLS between router and
+    engines, too: a request moved to another rank mid-run keeps what was delivered (its accepted runs
+    included) and goes on without a gap or a repeat."""
+    speculative = variant if variant in ("ngram", "draft") else None
     sched = dataclasses.replace(SCHED, speculative_algorithm=speculative)
-    engine_args = (("--speculative-algorithm", "draft", "--speculative-draft-model", str(tiny_model))
-                   if speculative == "draft" else ())
-    app, client, procs = router_over(3, sched=sched, engine_args=engine_args, dispatch="round-robin")
+    engine_args: tuple[str, ...] = (("--speculative-algorithm", "draft", "--speculative-draft-model", str(tiny_model))
+                                    if speculative == "draft" else ())
+    tls: dict[str, object] = {}
+    if variant == "mutual-tls":
+        keys = pki(tmp_path / "pki", "dp")
+        engine_args = ("--tls-cert", str(keys.server.cert), "--tls-key", str(keys.server.key), "--tls-ca", keys.ca_file)
+        tls = {"engine_tls": keys.client}
+    app, client, procs = router_over(3, sched=sched, engine_args=engine_args, dispatch="round-robin", **tls)
     prompts = mixed_prompts(24, COMMON["vocab_size"], seed=22, max_len=30)
     if speculative:
         prompts = [p * 2 for p in prompts]  # repeats: prompt lookup finds drafts
