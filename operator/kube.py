@@ -22,7 +22,7 @@ from .apply import annotated, merge_patch
 Obj = dict[str, Any]
 PLURALS = {"Pod": "pods", "Service": "services", "ConfigMap": "configmaps", "Event": "events",
            "StatefulSet": "statefulsets",
-           "Deployment": "deployments", "EngineSet": "enginesets"}
+           "Deployment": "deployments", "EngineSet": "enginesets", "NetworkPolicy": "networkpolicies"}
 MERGE_PATCH = "application/merge-patch+json"
 
 

@@ -105,7 +105,10 @@ class EngineSetReconciler:
                                     "conditions": invalid_spec_conditions(str(exc), previous, _timestamp())})
             raise
         router = res.router_deployment(es, spec, self.config.router_service_account)
-        for obj in (res.engine_configmap(es, spec.replicas), res.engine_service(es), router, res.router_service(es)):
+        owned = [res.engine_configmap(es, spec.replicas), res.engine_service(es), router, res.router_service(es)]
+        if spec.network_policy:
+            owned.append(res.engine_network_policy(es, spec))
+        for obj in owned:
             _, action = self.kube.apply(obj)
             if action != "unchanged":
                 events.append((action.capitalize(), f"{obj['kind']} {obj['metadata']['name']} {action}"))
@@ -180,7 +183,8 @@ class EngineSetReconciler:
         for api_version, kind, obj_name in (("apps/v1", "StatefulSet", f"{name}-engine"),
                                             ("apps/v1", "Deployment", f"{name}-router"),
                                             ("v1", "Service", name), ("v1", "Service", f"{name}-engine"),
-                                            ("v1", "ConfigMap", f"{name}-engine")):
+                                            ("v1", "ConfigMap", f"{name}-engine"),
+                                            ("networking.k8s.io/v1", "NetworkPolicy", f"{name}-engine")):
             existing = self.kube.get(api_version, kind, ns, obj_name)
             owners = ((existing or {}).get("metadata") or {}).get("ownerReferences") or []
             if existing is not None and any(o.get("uid") == meta["uid"] for o in owners):

@@ -235,6 +235,23 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
     }
 
 
+def engine_network_policy(es: EngineSet, spec: EngineSetSpec) -> Obj:
+    """Who may reach the engines: the engine port (a Forward stream decides which KV slots are written)
+    only from this EngineSet's router pods, the metrics port only from the monitoring namespaces."""
+    name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": f"{name}-engine", "namespace": ns, "labels": labels(name, "engine"),
+                     "ownerReferences": [owner_reference(es)]},
+        "spec": {"podSelector": {"matchLabels": selector(name, "engine")}, "policyTypes": ["Ingress"],
+                 "ingress": [
+                     {"from": [{"podSelector": {"matchLabels": selector(name, "router")}}],
+                      "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]},
+                     {"from": [{"namespaceSelector": {"matchLabels": dict(spec.metrics_namespace_selector)}}],
+                      "ports": [{"protocol": "TCP", "port": METRICS_PORT}]}]},
+    }
+
+
 def router_service(es: EngineSet) -> Obj:
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     return {

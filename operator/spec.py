@@ -41,6 +41,9 @@ class EngineSetSpec:
     dispatch: str = "prefix"
     dp_lockstep: bool = False
     router_http_port: int = 8000
+    network_policy: bool = True
+    metrics_namespace_selector: dict[str, str] = field(
+        default_factory=lambda: {"kubernetes.io/metadata.name": "monitoring"})
     tracing_endpoint: str | None = None
     tracing_sampler: str | None = None
     tracing_sampler_arg: str | None = None
@@ -85,6 +88,7 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
     dispatch = str(router.get("dispatch", "prefix"))
     if dispatch not in DISPATCH:
         problems.append(f"spec.router.dispatch must be one of {DISPATCH}, got {dispatch!r}")
+    policy = spec.get("networkPolicy") or {}
     http_port = router.get("httpPort", 8000)
     if not isinstance(http_port, int) or not 1 <= http_port <= 65535:
         problems.append(f"spec.router.httpPort must be a port in [1, 65535], got {http_port!r}")
@@ -101,6 +105,9 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
         engine=engine, requests=requests, limits=limits, router_replicas=int(router.get("replicas", 1)),
         dispatch=dispatch, dp_lockstep=bool(router.get("dpLockstep", False)),
         router_http_port=http_port,
+        network_policy=bool(policy.get("enabled", True)),
+        metrics_namespace_selector={str(k): str(v) for k, v in (policy.get("metricsNamespaceSelector") or
+                                                                {"kubernetes.io/metadata.name": "monitoring"}).items()},
         tracing_endpoint=tracing.get("endpoint") if tracing_on else None,
         tracing_sampler=tracing.get("sampler") if tracing_on else None,
         tracing_sampler_arg=tracing.get("samplerArg") if tracing_on else None,

@@ -94,6 +94,7 @@ def test_operator_pod_is_locked_down_and_rbac_is_least_privilege(helm: Path) -> 
     assert ("", "secrets", "get") not in granted and not any(v == "*" or r == "*" for _, r, v in granted)
     assert ("modeserve.io", "enginesets/status", "patch") in granted
     assert ("apps", "statefulsets", "delete") in granted  # cleanup of what it created
+    assert ("networking.k8s.io", "networkpolicies", "create") in granted  # each EngineSet's engine policy
     # the routers read EngineSets in their namespace (to follow their rank table), nothing else
     router_role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-router"))
     assert router_role["rules"] == [{"apiGroups": ["modeserve.io"], "resources": ["enginesets"],

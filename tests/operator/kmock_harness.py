@@ -41,7 +41,8 @@ RESOURCES = {ES: "EngineSet", STS: "StatefulSet", "apps/v1/deployments": "Deploy
              "v1/configmaps": "ConfigMap",
              "v1/pods": "Pod", "v1/events": "Event", "v1/namespaces": "Namespace"}
 OWNED = [(STS, f"{NAME}-engine"), ("apps/v1/deployments", f"{NAME}-router"), ("v1/services", NAME),
-         ("v1/services", f"{NAME}-engine"), ("v1/configmaps", f"{NAME}-engine")]
+         ("v1/services", f"{NAME}-engine"), ("v1/configmaps", f"{NAME}-engine"),
+         ("networking.k8s.io/v1/networkpolicies", f"{NAME}-engine")]
 
 
 @attrs.define(kw_only=True)

@@ -37,6 +37,8 @@ async def test_create_builds_owned_objects(harness: Harness) -> None:
             "controller": True, "blockOwnerDeletion": True}]
     assert objs["v1/services", f"{NAME}-engine"]["spec"]["clusterIP"] == "None"
     assert objs["v1/services", NAME]["spec"]["ports"][0]["port"] == 50051
+    policy = objs["networking.k8s.io/v1/networkpolicies", f"{NAME}-engine"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == res.selector(NAME, "engine")
     router_pod = objs["apps/v1/deployments", f"{NAME}-router"]["spec"]["template"]["spec"]
     assert router_pod["containers"][0]["args"][:5] == ["router", "--engineset", NAME, "--namespace", NS]
     assert router_pod["serviceAccountName"] == "modeserve-router"  # may watch EngineSets (the chart's Role)

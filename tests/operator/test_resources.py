@@ -96,3 +96,37 @@ def test_invalid_spec_names_every_problem() -> None:
     msg = str(err.value)
     for needle in ("spec.model.path", "pvc or hostPath", "page_sise", "device", "dispatch", "memory", "tensorParallelSize"):
         assert needle in msg, needle
+
+
+@pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
+def test_network_policy_admits_only_this_enginesets_routers_to_the_engines(k8s_version: str) -> None:
+    spec = parse_spec(ES["spec"], default_image="img")
+    policy = res.engine_network_policy(ES, spec)
+    kubernetes_validate.validate(policy, k8s_version, strict=True)
+    engine_pods = res.engine_statefulset(ES, spec, 2)["spec"]["template"]["metadata"]["labels"]
+    router_pods = res.router_deployment(ES, spec)["spec"]["template"]["metadata"]["labels"]
+    body = policy["spec"]
+    assert body["policyTypes"] == ["Ingress"]  # everything not listed is refused
+    assert body["podSelector"]["matchLabels"].items() <= engine_pods.items()
+    assert not body["podSelector"]["matchLabels"].items() <= router_pods.items()
+    engine_rule, metrics_rule = body["ingress"]
+    (peer,) = engine_rule["from"]
+    assert list(peer) == ["podSelector"] and peer["podSelector"]["matchLabels"].items() <= router_pods.items()
+    assert peer["podSelector"]["matchLabels"]["modeserve.io/engineset"] == "llama"  # not another EngineSet's
+    assert engine_rule["ports"] == [{"protocol": "TCP", "port": res.ENGINE_PORT}]
+    (monitoring,) = metrics_rule["from"]
+    assert monitoring == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": res.METRICS_PORT}]
+    custom = parse_spec({**ES["spec"], "networkPolicy": {"metricsNamespaceSelector": {"team": "obs"}}}, "img")
+    assert res.engine_network_policy(ES, custom)["spec"]["ingress"][1]["from"][0]["namespaceSelector"] == {
+        "matchLabels": {"team": "obs"}}
+    assert parse_spec({**ES["spec"], "networkPolicy": {"enabled": False}}, "img").network_policy is False
+
+
+def test_router_http_port_follows_the_spec() -> None:
+    spec = parse_spec({**ES["spec"], "router": {"httpPort": 8080}}, default_image="img")
+    c = res.router_deployment(ES, spec)["spec"]["template"]["spec"]["containers"][0]
+    assert build_parser().parse_args(c["args"]).http_port == 8080
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == 8080
+    with pytest.raises(InvalidSpec, match="httpPort"):
+        parse_spec({**ES["spec"], "router": {"httpPort": 0}}, default_image="img")
