@@ -22,6 +22,6 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu torch \
 
 # non-root, read-only root filesystem friendly: everything writable lives in /tmp (an emptyDir)
 USER 10001:10001
-EXPOSE 50051 50061 9090
+EXPOSE 50051 50061 8000 9090
 ENTRYPOINT ["modeserve"]
 CMD ["serve"]
