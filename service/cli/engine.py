@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from .engine_args import add_engine_args, engine_kwargs
-from .tls_args import add_tls_args, tls_files
+from .tls_args import add_tls_args, server_options, tls_files
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     parts = build_engine(args.model, **engine_kwargs(args))  # the same recipe as engine.LLM
     runner = parts.runner
     srv = create_engine_server(runner, address, model_path=str(parts.path), eos_token_ids=parts.eos_token_ids,
-                               dp_rank=args.dp_rank, metrics_port=args.metrics_port, tls=tls)
+                               dp_rank=args.dp_rank, metrics_port=args.metrics_port, tls=tls,
+                               options=server_options(args))
     host = address.rsplit(":", 1)[0]
     print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
     logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,

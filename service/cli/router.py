@@ -14,7 +14,7 @@ from ..router.dispatch import POLICIES
 from ..router.remote import RemoteRouterConfig, start_remote_router
 from ..rpc.grpc_server import grpc_address
 from .engine_args import add_engine_args, engine_kwargs
-from .tls_args import add_tls_args, tls_files
+from .tls_args import add_tls_args, server_options, tls_files
 
 if TYPE_CHECKING:  # the kubernetes client is imported only when the router follows an EngineSet
     from ..router.engineset_watch import EngineSetWatch
@@ -84,7 +84,8 @@ def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
                               max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
                               http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file),
                               tls=tls if tls is not None and tls.serves_tls else None,
-                              engine_tls=tls if tls is not None and tls.ca is not None else None)
+                              engine_tls=tls if tls is not None and tls.ca is not None else None,
+                              server=server_options(args))
 
 
 def run(args: argparse.Namespace) -> int:

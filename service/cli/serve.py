@@ -12,7 +12,7 @@ from typing import Any
 
 from .engine_args import add_engine_args, engine_kwargs
 from .router import add_public_api_args
-from .tls_args import add_tls_args, tls_files
+from .tls_args import add_tls_args, server_options, tls_files
 
 
 def add_parser(sub: Any) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     app = start_serve(grpc_address(args.host, args.port), args.model, overlap=args.overlap,
                       max_queued_requests=args.max_queued_requests, metrics_port=args.metrics_port,
                       http=http_address(args), api_key=load_api_key(args.api_key, args.api_key_file),
-                      tls=tls_files(args), **engine_kwargs(args))
+                      tls=tls_files(args), options=server_options(args), **engine_kwargs(args))
     return serve_app(app, "serve", args.host, args.grace_period)
 
 

@@ -1,9 +1,11 @@
-"""The TLS flags every server command shares (``--tls-cert``, ``--tls-key``, ``--tls-ca``)."""
+"""The flags every gRPC server command shares: TLS (``--tls-cert``, ``--tls-key``, ``--tls-ca``) and
+what one client may hold (``--max-streams-per-connection``, ``--no-reflection``)."""
 
 from __future__ import annotations
 
 import argparse
 
+from ..rpc.grpc_server import ServerOptions
 from ..rpc.tls import TlsFiles
 
 
@@ -13,6 +15,15 @@ def add_tls_args(p: argparse.ArgumentParser, ca_help: str | None) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     if ca_help is not None:
         p.add_argument("--tls-ca", default=None, help=ca_help)
+    p.add_argument("--max-streams-per-connection", type=int, default=ServerOptions.max_streams_per_connection,
+                   help="concurrent gRPC streams one connection may hold (HTTP/2 MAX_CONCURRENT_STREAMS); more wait "
+                        "at the client. Messages are capped at 64 MiB, prompts at --max-context-len tokens")
+    p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve gRPC server reflection (default on)")
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(args.max_streams_per_connection, args.reflection)
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple, Sequence
 from ...proto.v1 import admin_pb2_grpc, generate_pb2_grpc
 from ..http.routes import create_app
 from ..http.server import HttpServer
-from ..rpc.grpc_server import EventLoopThread, GrpcServer
+from ..rpc.grpc_server import EventLoopThread, GrpcServer, ServerOptions
 from ..rpc.grpc_server import wait_for_signal
 from ..rpc.tls import ReloadingServerCredentials, TlsFiles
 from ..telemetry.metrics import MetricsServer
@@ -78,7 +78,8 @@ def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threadi
 def start_router(address: str, events: EventLoopThread, table: RankTable, parser: RequestParser, model_name: str,
                  eos_token_ids: Sequence[int], metrics_port: int | None = None,
                  tracing: Tracing | None = None, http: HttpAddress | None = None,
-                 api_key: str | None = None, tls: TlsFiles | None = None) -> RouterApp:
+                 api_key: str | None = None, tls: TlsFiles | None = None,
+                 options: ServerOptions = ServerOptions()) -> RouterApp:
     """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``
     (both asking for ``api_key`` if given, both over TLS with ``tls``); /metrics on ``metrics_port``."""
     credentials = ReloadingServerCredentials(tls, require_client_cert=False).credentials if tls else None
@@ -93,7 +94,7 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
                         lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
                        [GENERATE_SERVICE, ADMIN_SERVICE], [ApiKeyInterceptor(api_key)] if api_key else [],
-                        credentials)
+                        credentials, options)
     app = RouterApp(events, server, servicer, table, metrics, tracing)
     if http is not None:
         try:

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ...engine.llm import LLM
-from ..rpc.grpc_server import EventLoopThread
+from ..rpc.grpc_server import EventLoopThread, ServerOptions
 from ..rpc.tls import TlsFiles
 from ..telemetry.step_tracing import StepTracer
 from ..telemetry.tracing import Tracing
@@ -22,7 +22,8 @@ from .request_validation import RequestParser
 def start_serve(address: str, model: str | None, overlap: bool = True, max_queued_requests: int = 1024,
                 max_new_tokens_limit: int | None = None, metrics_port: int | None = None,
                 tracing: Tracing | None = None, http: HttpAddress | None = None, api_key: str | None = None,
-                tls: TlsFiles | None = None, **engine_kwargs: Any) -> RouterApp:
+                tls: TlsFiles | None = None, options: ServerOptions = ServerOptions(),
+                **engine_kwargs: Any) -> RouterApp:
     """One process: router + scheduler + engine, the model runner as the rank's executor."""
     llm = LLM(model=model, **engine_kwargs)
     tracing = tracing or Tracing("router", dp_rank=0)
@@ -43,4 +44,4 @@ def start_serve(address: str, model: str | None, overlap: bool = True, max_queue
     parser = RequestParser(llm.tokenizer, limits, llm.config.scheduler.random_seed)
     eos = llm.scheduler.stop.eos_token_ids
     return start_router(address, events, table, parser, llm.model_config.name, sorted(eos), metrics_port, tracing,
-                        http, api_key, tls)
+                        http, api_key, tls, options)

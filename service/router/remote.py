@@ -12,7 +12,7 @@ from ...engine.config import SchedulerConfig
 from ...engine.request_limits import RequestLimits
 from ...engine.scheduler.scheduler import Scheduler
 from ...engine.tokenizer import Tokenizer, load_tokenizer
-from ..rpc.grpc_server import EventLoopThread
+from ..rpc.grpc_server import EventLoopThread, ServerOptions
 from ..rpc.engine_client import describe_engine, engine_healthy
 from ..rpc.grpc_executor import GrpcExecutor
 from ..rpc.tls import TlsFiles
@@ -47,6 +47,7 @@ class RemoteRouterConfig:
     api_key: str | None = None  # what Generate and HTTP calls must carry (None: nothing)
     tls: TlsFiles | None = None  # the router's own servers over TLS (gRPC and HTTP)
     engine_tls: TlsFiles | None = None  # TLS to the engines (its CA verifies them; its certificate is presented)
+    server: ServerOptions = ServerOptions()
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, cfg: RemoteRouterConfig,
@@ -109,4 +110,4 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     parser = RequestParser(tokenizer, limits, cfg.scheduler.random_seed)
     return start_router(address, events, table, parser, desc.model, list(desc.eos_token_ids), cfg.metrics_port,
-                        tracing, cfg.http, cfg.api_key, cfg.tls)
+                        tracing, cfg.http, cfg.api_key, cfg.tls, cfg.server)

@@ -21,7 +21,7 @@ from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from .convert import BatchLimits, mode_stats_to_proto
 from .engine_client import ENGINE_SERVICE
 from .forward_stream import ForwardStream, SharedRunner, StepError
-from .grpc_server import EventLoopThread, GrpcServer
+from .grpc_server import EventLoopThread, GrpcServer, ServerOptions
 from .tls import ReloadingServerCredentials, TlsFiles
 from ..telemetry.metrics import MetricsServer, RankSample
 from ..telemetry.tracing import Tracing
@@ -136,7 +136,8 @@ class EngineServer:
 
 def create_engine_server(runner: ModelRunner, address: str, *, model_path: str | None = None,
                          eos_token_ids: Sequence[int] | None = None, dp_rank: int = 0,
-                         metrics_port: int | None = None, tls: TlsFiles | None = None) -> EngineServer:
+                         metrics_port: int | None = None, tls: TlsFiles | None = None,
+                         options: ServerOptions = ServerOptions()) -> EngineServer:
     """Serve ``runner`` on ``address`` (``host:0`` picks a free port) with health and reflection; over
     TLS with ``tls`` (mutual, when it names a CA: only routers with a certificate it signed get in)."""
     credentials = ReloadingServerCredentials(tls, tls.ca is not None).credentials if tls is not None else None
@@ -144,7 +145,7 @@ def create_engine_server(runner: ModelRunner, address: str, *, model_path: str |
                               Tracing("engine", dp_rank))
     events = EventLoopThread("engine-grpc")
     servicer.server = GrpcServer(events, address, [lambda s: engine_pb2_grpc.add_EngineServicer_to_server(servicer, s)],
-                                 [ENGINE_SERVICE], credentials=credentials)
+                                 [ENGINE_SERVICE], credentials=credentials, options=options)
     srv = EngineServer(events, servicer.server, servicer)
     if metrics_port is not None:
         srv.metrics = MetricsServer(lambda: [servicer.rank_sample()], router=False)

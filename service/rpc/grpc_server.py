@@ -10,6 +10,7 @@ import gc
 import logging
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 import grpc
@@ -21,6 +22,18 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_PENDING_CALLS = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What one client may hold open on a server, and whether it describes itself."""
+
+    max_streams_per_connection: int = 4096  # HTTP/2 MAX_CONCURRENT_STREAMS: a client's streams past it wait
+    reflection: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_streams_per_connection < 1:
+            raise ValueError(f"--max-streams-per-connection must be >= 1, got {self.max_streams_per_connection}")
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -56,17 +69,19 @@ class EventLoopThread:
 class GrpcServer:
     def __init__(self, loop: EventLoopThread, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
                  service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None) -> None:
+                 credentials: grpc.ServerCredentials | None = None, options: ServerOptions = ServerOptions()) -> None:
         """Build and start the server on ``loop`` at ``address`` (``host:0`` picks a free port), over
         TLS with ``credentials``; ``ValueError`` when it cannot bind."""
         self.service_names = tuple(service_names)
         self.events = loop
+        self.options = options
         self.port = loop.run(self._start(address, register, interceptors, credentials))
 
     async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
                      interceptors: Sequence[grpc.aio.ServerInterceptor],
                      credentials: grpc.ServerCredentials | None) -> int:
         self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_concurrent_streams", self.options.max_streams_per_connection),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC core cancels calls that wait unmatched while more than its default of pending ones
             # queue (a burst of streams on a busy loop); admission here is --max-queued-requests
@@ -76,8 +91,9 @@ class GrpcServer:
             add(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self.server)
+        if self.options.reflection:
+            reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                                self.server)
         try:
             port = (self.server.add_secure_port(address, credentials) if credentials is not None
                     else self.server.add_insecure_port(address))
