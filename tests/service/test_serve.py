@@ -107,11 +107,15 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(client: Generate
 
 
 def test_cancelled_stream_frees_its_kv(app: RouterApp, client: GenerateClient) -> None:
+    wait_idle(app)
+    stats = app.loops[0].scheduler.stats
+    before = sum(stats.mode_requests.values())
     stream = client.stream(token_ids=[5, 6, 7], max_new_tokens=200, ignore_eos=True)
     next(stream)
     assert app.loops[0].scheduler.running
     stream.cancel()
     wait_idle(app)
+    assert sum(stats.mode_requests.values()) - before < 100  # aborted, not run to its 200 tokens
 
 
 def test_deadline_is_honoured(app: RouterApp, client: GenerateClient) -> None:
