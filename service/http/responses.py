@@ -58,7 +58,7 @@ class ResponseFormat:
         """A stream chunk: the delta's text (or ``text`` alone), its logprobs and finish reason."""
         finish = d.finish_reason if d is not None else None
         logprobs = self.logprobs(d, offset) if d is not None else None
-        body = (d.text if d is not None else "") if not text else text
+        body = text or (d.text if d is not None else "")
         if self.chat:
             delta: Json = {"role": "assistant", "content": body} if first else {"content": body}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

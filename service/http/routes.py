@@ -111,13 +111,12 @@ class OpenAIApi:
         """One request per prompt on the shared path; if one is refused, those already sent are aborted."""
         limits = self.parser.limits
         handles: list[RequestHandle] = []
-        headers = dict(request.headers)
         try:
             for ids in prompts:
                 room = max(limits.max_context - len(ids), 1)
                 n = max_tokens or min(room, limits.max_new_tokens or room)
                 rid = f"{'chatcmpl' if operation == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-                trace = self.gen.trace(operation, headers, n, body.temperature)
+                trace = self.gen.trace(operation, request.headers.items(), n, body.temperature)
                 handles.append(self.gen.submit(
                     lambda: self.parser.make_req(rid, ids, body.sampling(n, logprobs), names), trace))
         except BaseException as exc:

@@ -41,8 +41,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         rid = request.request_id or uuid.uuid4().hex
         arrived = time.perf_counter()
         gen = self.generation
-        headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-        trace = gen.trace("text_completion", headers, request.sampling.max_new_tokens, request.sampling.temperature)
+        trace = gen.trace("text_completion", context.invocation_metadata() or (), request.sampling.max_new_tokens,
+                          request.sampling.temperature)
         try:
             handle = gen.submit(lambda: self.parser.parse(rid, request), trace)
         except (LookupError, QueueFullError, ValueError) as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncGenerator, Callable, Mapping, NamedTuple
+from typing import AsyncGenerator, Callable, Iterable, NamedTuple
 
 from opentelemetry.trace import SpanKind
 
@@ -54,12 +54,14 @@ class Generation:
         self.tracing = tracing
         self.draining = False
 
-    def trace(self, operation: str, headers: Mapping[str, str], max_tokens: int,
+    def trace(self, operation: str, metadata: Iterable[tuple[str, object]], max_tokens: int,
               temperature: float) -> RequestTrace | None:
-        """The request's span (gen_ai conventions), a child of the client's W3C context if it sent one."""
+        """The request's span (gen_ai conventions), a child of the W3C context in the call's metadata
+        (gRPC metadata or HTTP headers) if the client sent one; read only when tracing is on."""
         if not self.tracing.enabled:
             return None
-        span = self.tracing.start(f"{operation} {self.model_name}", extract(headers), SpanKind.SERVER, {
+        parent = extract({k: v for k, v in metadata if isinstance(v, str)})
+        span = self.tracing.start(f"{operation} {self.model_name}", parent, SpanKind.SERVER, {
             "gen_ai.operation.name": operation, "gen_ai.system": "modeserve",
             "gen_ai.request.model": self.model_name, "gen_ai.request.max_tokens": max_tokens,
             "gen_ai.request.temperature": temperature})
