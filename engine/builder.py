@@ -34,7 +34,9 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
     if config.runner.speculative_draft_model is not None:
         draft = open_checkpoint(config.runner.speculative_draft_model, config.runner.load_format)
         check_draft(ckpt, tokenizer, draft, load_tokenizer(draft.path) if draft.path != ckpt.path else tokenizer)
-    runner = ModelRunner(config.runner, ckpt, progress, draft)
+    sched = config.scheduler
+    runner = ModelRunner(config.runner, ckpt, progress, draft,
+                         sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0)
     return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)))
 
 

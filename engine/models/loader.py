@@ -73,13 +73,18 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, to
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, std: float = 0.02) -> None:
-    """Random weights on the model's own device: N(0, std) matrices and biases, norms 1."""
+def init_dummy_weights(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Random weights on the model's own device: N(0, std) matrices and biases, norms 1. The same
+    seed gives the same weights (a shape loaded twice, as a speculative target and its own draft, is
+    one model)."""
+    generator: torch.Generator | None = None
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:
-            param.normal_(0.0, std)
+            continue
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, std, generator=generator)
 
 
 def load_model(

@@ -2,9 +2,12 @@
 one memory pool. A batch is padded to the next bucket (padded rows write KV slot 0, which is
 reserved), replayed, and sliced back.
 
-A graph reads its step inputs (token ids, positions, KV slots, request rows, sequence lengths) from
-one static int64 buffer, laid out per bucket as five consecutive runs of ``bs``; ``upload`` fills a
-bucket's runs, padding included, with one host-to-device copy.
+One runner serves one mode with a fixed number ``q`` of query tokens a request: DECODE (q = 1, IDLE
+replays its buckets too) or TARGET_VERIFY (q = k + 1: a request's last token and its k drafts).
+A graph reads its step inputs from one static int64 buffer, laid out per bucket as consecutive runs:
+token ids, positions and KV slots (``q * bs`` each), request rows, sequence lengths and prefix
+lengths (``bs`` each); ``upload`` fills a bucket's runs, padding included, with one host-to-device
+copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0 over request row 0.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from ...kernels.attention.base import AttentionBackend, GraphInputs
 
 logger = logging.getLogger(__name__)
 
-# per bucket, the static runs in order, and the value a padded row holds in each
-STATIC_RUNS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
-PAD_VALUES = (0, 0, 0, 0, 1)  # token 0 at position 0 writing the reserved slot 0; request row 0, one key
+# per bucket, the static runs in order (the first three a token each, the rest a request each)
+STATIC_RUNS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
+TOKEN_RUNS = 3
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
@@ -39,6 +42,7 @@ class StepRows(NamedTuple):
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
 
 
 class CudaGraphRunner:
@@ -47,21 +51,32 @@ class CudaGraphRunner:
     ``init_replay``."""
 
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, device: torch.device,
-                 slot_table: torch.Tensor, progress: Callable[[str], None] | None = None) -> None:
-        """``slot_table``: the engine's req_to_token (allocated once): every replay reads it."""
+                 slot_table: torch.Tensor, progress: Callable[[str], None] | None = None,
+                 mode: ForwardMode = ForwardMode.DECODE, tokens_per_row: int = 1) -> None:
+        """``slot_table``: the engine's req_to_token (allocated once): every replay reads it. ``mode``
+        and ``tokens_per_row``: the steps this runner replays (DECODE and 1, or TARGET_VERIFY and k + 1)."""
         self.model, self.attn, self._slot_table = model, attn, slot_table
+        self.mode, self.q = mode, tokens_per_row
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_bs] or [max_bs]
-        self._static = torch.zeros(len(STATIC_RUNS) * self.buckets[-1], dtype=torch.int64, device=device)
+        self._pad = (0, 0, 0, 0, self.q, 0)  # per run: a padded request's value
+        self._static = torch.zeros(self._run_offsets(self.buckets[-1])[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.hits: dict[str, int] = defaultdict(int)
         self.misses: dict[str, int] = defaultdict(int)
         self.padded_rows: dict[str, int] = defaultdict(int)
         self._capture_all(progress)
 
+    def _run_offsets(self, bs: int) -> list[int]:
+        """Where each of bucket ``bs``'s runs starts in the static buffer, and where the last ends."""
+        lengths = [self.q * bs] * TOKEN_RUNS + [bs] * (len(STATIC_RUNS) - TOKEN_RUNS)
+        return [0, *np.cumsum(lengths).tolist()]
+
     def rows(self, bs: int, n: int | None = None) -> StepRows:
-        """Bucket ``bs``'s static runs, each cut to its first ``n`` rows (all ``bs`` by default)."""
+        """Bucket ``bs``'s static runs, each cut to its first ``n`` requests (all ``bs`` by default)."""
         n = bs if n is None else n
-        return StepRows(*(self._static[k * bs : k * bs + n] for k in range(len(STATIC_RUNS))))
+        at = self._run_offsets(bs)
+        return StepRows(*(self._static[at[k] : at[k] + (self.q * n if k < TOKEN_RUNS else n)]
+                          for k in range(len(STATIC_RUNS))))
 
     @torch.inference_mode()
     def _capture_all(self, progress: Callable[[str], None] | None) -> None:
@@ -70,10 +85,10 @@ class CudaGraphRunner:
         for bs in bar:  # largest first: later graphs reuse its memory
             bar.set_postfix(bs=bs)
             rows = self.rows(bs)
-            for run, pad in zip(rows, PAD_VALUES):
+            for run, pad in zip(rows, self._pad):
                 run.fill_(pad)
             self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens,
-                                                   self._slot_table))
+                                                   self._slot_table, rows.prefix_lens, self.q))
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(rows)
             torch.cuda.synchronize()
@@ -84,15 +99,17 @@ class CudaGraphRunner:
             self.graphs[bs] = (graph, out)
             if progress is not None:
                 progress(f"cuda graph bs={bs}")
-        logger.info("captured CUDA graphs for batch sizes %s", self.buckets)
+        logger.info("captured %s CUDA graphs (%d tokens a request) for batch sizes %s", self.mode.name, self.q,
+                    self.buckets)
 
     def _forward(self, rows: StepRows) -> torch.Tensor:
         hidden = self.model(rows.input_ids, rows.positions, self.attn)
-        return self.model.compute_logits(hidden)  # [bs, V]
+        return self.model.compute_logits(hidden)  # [q * bs, V]
 
     def bucket_for(self, mode: ForwardMode, batch_size: int) -> int | None:
-        """The bucket to replay, or None (eager): modes without graphs, or batches over the largest."""
-        if not mode.traits.uses_cuda_graph:
+        """The bucket to replay, or None (eager): other modes (IDLE replays DECODE's), or batches over
+        the largest."""
+        if mode != self.mode and not (mode == ForwardMode.IDLE and self.mode == ForwardMode.DECODE):
             return None
         if batch_size > self.buckets[-1]:
             self.misses[mode.name] += 1
@@ -100,25 +117,31 @@ class CudaGraphRunner:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
     def upload(self, mode: ForwardMode, bucket: int, host: Sequence[np.ndarray]) -> StepRows:
-        """Write a step's rows (``host``: its [n] arrays in ``STATIC_RUNS`` order, one query a row)
-        into ``bucket``'s runs, padded, with one asynchronous copy; views of the n real rows."""
-        n = len(host[0])
-        if any(len(a) != n for a in host) or n > bucket:
-            raise ValueError(f"a graph step takes one query a row, at most {bucket} rows")
-        packed = np.empty((len(STATIC_RUNS), bucket), dtype=np.int64)
-        for run, a, pad in zip(packed, host, PAD_VALUES):
-            run[:n] = a
-            run[n:] = pad
+        """Write a step's rows (``host``: its arrays in ``STATIC_RUNS`` order but the prefix lengths,
+        which follow from the sequence lengths: [q * n] token ids, positions and KV slots, [n] request
+        rows and sequence lengths) into ``bucket``'s runs, padded, with one asynchronous copy; views
+        of the n real requests' rows."""
+        n = len(host[3])
+        lengths = [self.q * n] * TOKEN_RUNS + [n] * (len(STATIC_RUNS) - TOKEN_RUNS - 1)
+        if [len(a) for a in host] != lengths or n > bucket:
+            raise ValueError(f"a {self.mode.name} graph step takes {self.q} queries a request, at most {bucket} "
+                             f"requests (got runs of {[len(a) for a in host]})")
+        at = self._run_offsets(bucket)
+        packed = np.empty(at[-1], dtype=np.int64)
+        for k, (a, pad) in enumerate(zip([*host, host[4] - self.q], self._pad)):
+            used = at[k] + len(a)
+            packed[at[k] : used] = a
+            packed[used : at[k + 1]] = pad
         upload_into(packed, self._static[: packed.size])
         self.hits[mode.name] += 1
         self.padded_rows[mode.name] += bucket - n
         return self.rows(bucket, n)
 
     def replay(self, bucket: int, bs: int) -> torch.Tensor:
-        """Replay the prepared bucket; logits [bs, V] of the real rows."""
+        """Replay the prepared bucket; logits [q * bs, V] of the real requests' tokens."""
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[:bs]
+        return out[: self.q * bs]
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"hits": dict(self.hits), "misses": dict(self.misses), "padded_rows": dict(self.padded_rows)}

@@ -14,12 +14,15 @@ step), and in a verify step:
 
 Drafts are the draft's argmax (a one-hot proposal): the target keeps a draft exactly when its own
 draw equals it, which is rejection sampling for a one-hot proposal. Everything runs on the device
-from host-known shapes; nothing waits for it.
+from host-known shapes; nothing waits for it but the next sub-step's attention plan, which waits
+for the previous one's to have reached the device (FlashInfer's plan reuses one pinned host buffer
+per wrapper). On CUDA the DECODE sub-steps replay the draft's own graphs, by batch bucket.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,6 +31,7 @@ from ..config import RunnerConfig
 from ..forward_batch import ForwardBatch
 from ..forward_mode import ForwardMode
 from ..models.loader import Checkpoint, load_model
+from .cuda_graph_runner import CudaGraphRunner
 from .host_io import upload
 from .slot_state import SlotState
 from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
@@ -37,7 +41,10 @@ from ...kernels.op_set import KernelOps
 
 class DraftModel:
     def __init__(self, ckpt: Checkpoint, cfg: RunnerConfig, dtype: torch.dtype, device: torch.device,
-                 num_slots: int, max_context: int, ops: KernelOps) -> None:
+                 num_slots: int, max_context: int, ops: KernelOps, slot_table: torch.Tensor,
+                 graph_max_bs: int = 0) -> None:
+        """``slot_table``: the target's req_to_token (its slots are the draft's too); ``graph_max_bs``:
+        DECODE graphs up to this batch size (0: eager)."""
         mc = ckpt.config
         self.device = device
         self.model = load_model(ckpt, dtype, device, max_context, None, ops)
@@ -46,10 +53,14 @@ class DraftModel:
         self.attn = create_attention_backend(resolve_backend_name(cfg.attention_backend, device, dtype, mc.head_dim),
                                              device, dtype, kv_cache=self.kv_cache, num_heads=mc.num_heads,
                                              scale=1.0 / math.sqrt(mc.head_dim), sliding_window=mc.sliding_window)
+        self.graphs: CudaGraphRunner | None = None
+        if graph_max_bs > 0 and self.attn.supports_cuda_graph:
+            self.graphs = CudaGraphRunner(self.model, self.attn, graph_max_bs, device, slot_table)
+        self._planned: torch.cuda.Event | None = None
 
     def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> None:
         """The draft's keys and values of a target EXTEND/MIXED step's tokens (DRAFT_EXTEND)."""
-        self.attn.init_forward_metadata(inputs)
+        self._plan(lambda: self.attn.init_forward_metadata(inputs))
         self.model(input_ids, positions, self.attn)
 
     def propose(self, batch: ForwardBatch, input_ids: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -64,35 +75,72 @@ class DraftModel:
         last_dev, starts_dev, pos2_dev = upload([last, starts, pos2], self.device)
         ids2 = torch.stack([slots.token_ids[req_pool, last_dev - 1], input_ids[starts_dev]], dim=1).reshape(-1)
         loc2 = torch.stack([slots.req_to_token[req_pool, last_dev - 1], out_cache_loc[starts_dev]], dim=1).reshape(-1)
-        draft = self._greedy(ForwardMode.DRAFT_EXTEND, ids2, pos2_dev, loc2, req_pool, last + 1,
-                             last - 1, np.full(num, 2), batch.req_pool_indices, slots, sample=slice(1, None, 2))
+        draft = self._catch_up(ids2, pos2_dev, loc2, req_pool, last, batch.req_pool_indices, slots)
         out = input_ids.clone()
         rows = np.arange(num)  # the requests whose next draft is in ``draft`` (in this order)
         for j in range(1, int(ext.max()) if num else 1):  # draft j of every request that has one
             keep = np.flatnonzero(ext[rows] > j)
-            rows, (keep_dev, at_dev) = rows[keep], upload([keep, starts[rows[keep]] + j], self.device)
-            draft = draft[keep_dev]
+            if len(keep) < len(rows):
+                rows, (keep_dev,) = rows[keep], upload([keep], self.device)
+                draft = draft[keep_dev]
+            (at_dev,) = upload([starts[rows] + j], self.device)
             out[at_dev] = draft
             more = np.flatnonzero(ext[rows] > j + 1)  # room for draft j + 1: draft j in, at its own KV slot
             if not len(more):
                 break
-            rows = rows[more]
-            more_dev, loc_at, pos, rows_dev = upload([more, starts[rows] + j, last[rows] + j, rows], self.device)
-            draft = self._greedy(ForwardMode.DECODE, draft[more_dev], pos, out_cache_loc[loc_at], req_pool[rows_dev],
-                                 last[rows] + j + 1, last[rows] + j, np.ones(len(rows), dtype=np.int64),
+            if len(more) < len(rows):
+                (more_dev,) = upload([more], self.device)
+                rows, draft = rows[more], draft[more_dev]
+            draft = self._decode(draft, last[rows] + j, batch.out_cache_loc[starts[rows] + j],
                                  batch.req_pool_indices[rows], slots)
         return out
 
-    def _greedy(self, mode: ForwardMode, ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor,
-                req_pool: torch.Tensor, seq_lens: np.ndarray, prefix: np.ndarray, ext: np.ndarray,
-                req_pool_cpu: np.ndarray, slots: SlotState, sample: slice = slice(None)) -> torch.Tensor:
-        """The draft's greedy token after each ``sample`` row of ``ids`` (``prefix``/``ext``/``seq_lens``
-        on the host, for the attention plan)."""
-        (seq_dev,) = upload([seq_lens], self.device)
-        self.attn.init_forward_metadata(AttentionInputs(
-            forward_mode=mode, req_pool_indices=req_pool, prefix_lens_cpu=prefix.tolist(),
-            extend_lens_cpu=ext.tolist(), seq_lens=seq_dev, out_cache_loc=loc,
-            req_to_token=slots.req_to_token, dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu,
-            req_to_page_cpu=slots.req_to_page))
+    def _plan(self, plan: Callable[[], None]) -> None:
+        """Run an attention plan once the previous one's host-to-device copies have run."""
+        if self._planned is not None:
+            self._planned.synchronize()
+        plan()
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _catch_up(self, ids: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, req_pool: torch.Tensor,
+                  last: np.ndarray, req_pool_cpu: np.ndarray, slots: SlotState) -> torch.Tensor:
+        """DRAFT_EXTEND of each request's last two tokens (eager) -> the greedy token after the last: draft 1."""
+        (seq_dev,) = upload([last + 1], self.device)
+        inputs = AttentionInputs(
+            forward_mode=ForwardMode.DRAFT_EXTEND, req_pool_indices=req_pool, prefix_lens_cpu=(last - 1).tolist(),
+            extend_lens_cpu=[2] * len(last), seq_lens=seq_dev, out_cache_loc=loc, req_to_token=slots.req_to_token,
+            dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu, req_to_page_cpu=slots.req_to_page)
+        self._plan(lambda: self.attn.init_forward_metadata(inputs))
         hidden = self.model(ids, positions, self.attn)
-        return self.model.compute_logits(hidden[sample]).argmax(-1)
+        return self.model.compute_logits(hidden[1::2]).argmax(-1)
+
+    def _decode(self, ids: torch.Tensor, positions: np.ndarray, loc: np.ndarray, req_pool_cpu: np.ndarray,
+                slots: SlotState) -> torch.Tensor:
+        """A DECODE sub-step: draft j (``ids``, on the device) in at ``positions`` and KV slots ``loc``
+        (host) -> draft j + 1; a graph replay where a bucket fits."""
+        n = len(positions)
+        seq = positions + 1
+        bucket = self.graphs.bucket_for(ForwardMode.DECODE, n) if self.graphs is not None else None
+        if self.graphs is not None and bucket is not None:
+            rows = self.graphs.upload(ForwardMode.DECODE, bucket, [np.zeros(n, dtype=np.int64), positions, loc,
+                                                                   req_pool_cpu, seq])
+            rows.input_ids.copy_(ids)
+            inputs = self._decode_inputs(rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc, positions,
+                                         req_pool_cpu, slots)
+            self._plan(lambda: self.attn.init_replay(inputs, bucket))
+            return self.graphs.replay(bucket, n).argmax(-1)
+        pos_dev, loc_dev, pool_dev, seq_dev = upload([positions, loc, req_pool_cpu, seq], self.device)
+        inputs = self._decode_inputs(pool_dev, seq_dev, loc_dev, positions, req_pool_cpu, slots)
+        self._plan(lambda: self.attn.init_forward_metadata(inputs))
+        hidden = self.model(ids, pos_dev, self.attn)
+        return self.model.compute_logits(hidden).argmax(-1)
+
+    def _decode_inputs(self, req_pool: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor, positions: np.ndarray,
+                       req_pool_cpu: np.ndarray, slots: SlotState) -> AttentionInputs:
+        return AttentionInputs(
+            forward_mode=ForwardMode.DECODE, req_pool_indices=req_pool, prefix_lens_cpu=positions.tolist(),
+            extend_lens_cpu=[1] * len(positions), seq_lens=seq_lens, out_cache_loc=loc,
+            req_to_token=slots.req_to_token, dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu,
+            req_to_page_cpu=slots.req_to_page)

@@ -42,11 +42,17 @@ def kv_cache_slots(cfg: RunnerConfig, bytes_per_token: int, max_context: int) ->
     return (pages + 1) * cfg.page_size
 
 
+VERIFY_GRAPH_MAX_BS = 64  # TARGET_VERIFY (and draft DECODE) graphs: speculation pays at small batches
+
+
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
-                 draft: Checkpoint | None = None) -> None:
-        """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``)."""
+                 draft: Checkpoint | None = None, verify_queries: int = 0) -> None:
+        """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``).
+        ``verify_queries``: k + 1 with speculative decoding (TARGET_VERIFY steps of k drafts a request
+        replay graphs; other verify steps run eagerly), 0 without."""
         self.cfg = cfg
+        self.verify_queries = verify_queries
         self.model_config = ckpt.config
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.torch_dtype_name)
@@ -61,7 +67,8 @@ class ModelRunner:
         self._init_attention()
         self._init_cuda_graphs(progress)
         self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
-                                 self.kernel_ops) if draft is not None else None)
+                                 self.kernel_ops, self.slots.req_to_token, self._verify_graph_max_bs)
+                      if draft is not None else None)
 
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
         self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
@@ -102,8 +109,16 @@ class ModelRunner:
             sliding_window=mc.sliding_window,
         )
 
+    @property
+    def _verify_graph_max_bs(self) -> int:
+        """The largest TARGET_VERIFY (and draft DECODE) graph bucket; 0: none."""
+        if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.verify_queries:
+            return 0
+        return min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests, VERIFY_GRAPH_MAX_BS)
+
     def _init_cuda_graphs(self, progress: Callable[[str], None] | None) -> None:
         self.graphs: CudaGraphRunner | None = None
+        self.verify_graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseExtend | None = None
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return
@@ -116,6 +131,16 @@ class ModelRunner:
             return
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
         self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress)
+        self.capture_verify_graphs(self.verify_queries, progress)
+
+    def capture_verify_graphs(self, queries: int, progress: Callable[[str], None] | None = None) -> None:
+        """TARGET_VERIFY graphs for ``queries`` (k + 1) tokens a request, in place of any before (verify
+        steps of other lengths run eagerly); none without decode graphs or speculative decoding."""
+        self.verify_queries = queries
+        self.verify_graphs = None
+        if self.graphs is not None and self._verify_graph_max_bs:
+            self.verify_graphs = CudaGraphRunner(self.model, self.attn, self._verify_graph_max_bs, self.device,
+                                                 self.slots.req_to_token, progress, ForwardMode.TARGET_VERIFY, queries)
 
     @property
     def num_pages(self) -> int:
@@ -142,11 +167,11 @@ class ModelRunner:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
         rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
-        bucket = None
-        if self.graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
-            bucket = self.graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
-        if bucket is not None:
-            return self._replay(batch, bucket)
+        graphs, bucket = self._graphs_for(batch), None
+        if graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
+            bucket = graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
+        if graphs is not None and bucket is not None:
+            return self._replay(batch, graphs, bucket)
         sample_idx_np = batch.sample_token_index()  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
@@ -184,27 +209,42 @@ class ModelRunner:
             req_to_page_cpu=self.slots.req_to_page,
         )
 
-    def _replay(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
-        """A graph step (one query a row, every row samples): the rows go straight into the graph's
-        static buffer, the tokens are recorded there in place, then the bucket replays."""
-        assert self.graphs is not None
+    def _graphs_for(self, batch: ForwardBatch) -> CudaGraphRunner | None:
+        """The graphs that may replay ``batch``: DECODE's (IDLE's too), or TARGET_VERIFY's when every
+        request carries k drafts."""
+        if batch.forward_mode != ForwardMode.TARGET_VERIFY:
+            return self.graphs
+        if self.verify_graphs is None or not (batch.extend_lens == self.verify_graphs.q).all():
+            return None
+        return self.verify_graphs
+
+    def _replay(self, batch: ForwardBatch, graphs: CudaGraphRunner, bucket: int) -> torch.Tensor:
+        """A graph step (``graphs.q`` queries a request, every query samples): the rows go straight into
+        the graph's static buffer, the tokens are recorded there in place (a verify step's drafts
+        written in by the draft model first, if any), then the bucket replays."""
         self._graph_bucket = bucket
-        rows = self.graphs.upload(batch.forward_mode, bucket, [
+        rows = graphs.upload(batch.forward_mode, bucket, [
             batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
-        self.slots.record(rows.req_pool_indices, rows.positions, rows.out_cache_loc, rows.input_ids)
+        token_rows = rows.req_pool_indices if graphs.q == 1 else rows.req_pool_indices.repeat_interleave(graphs.q)
+        self.slots.record(token_rows, rows.positions, rows.out_cache_loc, rows.input_ids)
+        if self.draft is not None and batch.forward_mode == ForwardMode.TARGET_VERIFY:
+            drafted = self.draft.propose(batch, rows.input_ids, rows.out_cache_loc, rows.req_pool_indices, self.slots)
+            rows.input_ids.copy_(drafted)
+            self.slots.token_ids[token_rows, rows.positions] = drafted
         self.attn.init_replay(self._attention_inputs(batch, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc),
                               bucket)
         self._mark_inputs_consumed()
-        if batch.sample_mask.all():
+        self._input_ids = rows.input_ids  # a verify step's drafts, which its acceptance reads
+        if graphs.q == 1 and batch.sample_mask.all():
             self._sample_slots = rows.req_pool_indices
-        return self.graphs.replay(bucket, batch.batch_size)
+        return graphs.replay(bucket, batch.batch_size)
 
     def _replay_padding_only(self, batch: ForwardBatch) -> None:
         """An IDLE rank in lockstep replays the bucket the others use, with padding rows only."""
         assert self.graphs is not None
         bucket = self.graphs.bucket_for(ForwardMode.DECODE, batch.padded_batch_size)
         if bucket is not None:
-            self._replay(batch, bucket)  # no rows: the upload writes padding only
+            self._replay(batch, self.graphs, bucket)  # no rows: the upload writes padding only
 
     def _mark_inputs_consumed(self) -> None:
         if self.device.type == "cuda":
@@ -262,7 +302,7 @@ class ModelRunner:
         starts = np.cumsum(batch.extend_lens) - batch.extend_lens
         runs, starts_dev, slots = upload([np.repeat(np.arange(batch.batch_size), batch.extend_lens), starts,
                                           batch.req_pool_indices], self.device)
-        assert self._input_ids is not None  # a verify step runs eagerly
+        assert self._input_ids is not None  # the verify step's tokens, drafts included
         accepted = spec_accept.accepted_in_runs(next_ids, self._input_ids, runs, starts_dev)
         self.slots.last_token[slots] = next_ids[starts_dev + accepted]
         bucket = self._graph_bucket

@@ -285,6 +285,7 @@ class Scheduler:
         proposals = {r.rid: self.drafter.propose(r) for r in decodes}
         if not any(proposals.values()):
             return self._build([], self._reserve_decode(decodes))
+        proposals = {r.rid: self.drafter.fill(r, proposals[r.rid]) for r in decodes}
         reqs = self._reserve_decode(decodes, [1 + len(proposals[r.rid]) for r in decodes])
         drafts = [proposals[r.rid] for r in reqs]
         step = self._build([], reqs, drafts)
@@ -349,7 +350,7 @@ class Scheduler:
             start += length
             if req.finished:
                 continue
-            self.stats.spec_accepted_tokens += kept
+            self.stats.record_acceptance(kept)
             if req.status == ReqStatus.RUNNING:
                 self.kv.truncate(req, len(req.prompt_ids) + at + kept)
             run = tokens[first_row : first_row + kept + 1]

@@ -37,6 +37,14 @@ class Drafter:
     def propose(self, req: Req) -> list[int]:
         return [0] * max(self.room(req), 0)
 
+    def fill(self, req: Req, drafts: list[int]) -> list[int]:
+        """``drafts`` made up to the request's room by repeating its last draft (or its last token): a
+        verify step of k drafts a request has one shape, which replays a CUDA graph, and costs about
+        what one with fewer does. Any proposal is exact (a draft is kept only where it equals the
+        target's own draw), so the made-up ones are kept when they happen to be right."""
+        more = self.room(req) - len(drafts)
+        return drafts + [drafts[-1] if drafts else req.tokens(req.fill_len - 1, req.fill_len)[0]] * more if more > 0 else drafts
+
 
 class NgramDrafter(Drafter):
     def __init__(self, cfg: SchedulerConfig, max_context: int) -> None:

@@ -30,6 +30,20 @@ class ForwardModeStats:
         self.spec_draft_tokens = 0  # drafts proposed to TARGET_VERIFY steps
         self.spec_accepted_tokens = 0  # of those, the ones the target kept
         self.spec_verify_steps = 0
+        self.spec_acceptance_lengths: dict[int, int] = defaultdict(int)  # tokens a verify emitted for a request -> count
+
+    def record_acceptance(self, kept: int) -> None:
+        """A request of a verify step kept ``kept`` drafts (it emits ``kept + 1`` tokens)."""
+        self.spec_accepted_tokens += kept
+        self.spec_acceptance_lengths[kept + 1] += 1
+
+    def acceptance_histogram(self, max_length: int) -> tuple[list[tuple[float, int]], int]:
+        """(cumulative (upper bound, count) pairs for lengths 1 .. ``max_length`` and +inf, sum of lengths)."""
+        cumulative, total = [], 0
+        for bound in [*range(1, max_length + 1), float("inf")]:
+            total = sum(n for length, n in self.spec_acceptance_lengths.items() if length <= bound)
+            cumulative.append((float(bound), total))
+        return cumulative, sum(length * n for length, n in self.spec_acceptance_lengths.items())
 
     def record(self, mode: ForwardMode, batch_size: int, num_tokens: int, seconds: float = 0.0) -> None:
         self.mode_counts[mode.name] += 1

@@ -43,14 +43,17 @@ class AttentionInputs:
 
 @dataclass(frozen=True)
 class GraphInputs:
-    """The static device buffers a captured decode graph reads, ``bs`` rows each (int64). The model
-    runner owns them and fills them before every replay, padded rows with request row 0, sequence
-    length 1 and KV slot 0 (reserved); at capture they hold padding only."""
+    """The static device buffers a captured graph reads (int64): ``bs`` requests of
+    ``tokens_per_row`` queries each (1 for DECODE, k + 1 for TARGET_VERIFY). The model runner owns
+    them and fills them before every replay, a padded request with request row 0, sequence length
+    ``tokens_per_row`` and KV slot 0 (reserved); at capture they hold padding only."""
 
-    out_cache_loc: torch.Tensor  # [bs]: where each row's k/v of this step go
+    out_cache_loc: torch.Tensor  # [tokens_per_row * bs]: where each query's k/v of this step go
     req_pool_indices: torch.Tensor  # [bs]
     seq_lens: torch.Tensor  # [bs]
     req_to_token: torch.Tensor  # [max_reqs, max_context]: the engine's slot table (allocated once)
+    prefix_lens: torch.Tensor | None = None  # [bs]: seq_lens - tokens_per_row (what a verify graph reads)
+    tokens_per_row: int = 1
 
 
 class AttentionBackend(abc.ABC):
@@ -90,8 +93,9 @@ class AttentionBackend(abc.ABC):
         calls ``forward``)."""
         return None
 
-    # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both:
-    # ``init_capture`` before capturing ``bs`` rows (the graph reads its rows from ``static``),
+    # CUDA graphs (decode-like modes). A backend that sets ``supports_cuda_graph`` implements both, for
+    # one query a request (DECODE) and for ``static.tokens_per_row`` > 1 (TARGET_VERIFY, causal over the
+    # request's cache): ``init_capture`` before capturing ``bs`` requests (the graph reads them from ``static``),
     # ``init_replay`` before each replay, once the runner has written the real rows into ``static``
     # (``inputs``' device tensors are views of it; the backend plans whatever else it needs).
     supports_cuda_graph = False

@@ -18,16 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...engine.forward_mode import ForwardMode
 from .base import AttentionBackend, AttentionInputs, GraphInputs
 from .kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
 
 
-def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0,
+               pad_len: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """CSR page table of the batch, built on the host from the slot table's page mirror:
     (indptr [B+1] int32, indices [P] int32, last_page_len [B] int32). With ``pad_to`` > B, rows
-    B..pad_to-1 are one-token rows on the reserved page 0 (padding of a CUDA-graph bucket)."""
+    B..pad_to-1 are ``pad_len``-token rows on the reserved page 0 (padding of a CUDA-graph bucket)."""
     seq = np.asarray(inputs.seq_lens_cpu, dtype=np.int64)  # [B]
     num_pages = (seq + page_size - 1) // page_size  # [B]
     max_pages = int(num_pages.max()) if len(seq) else 0
@@ -43,10 +45,18 @@ def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0) -> tupl
     indices = indices.astype(np.int32)
     pad = pad_to - len(seq)
     if pad > 0:
-        indptr = np.concatenate([indptr, indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
-        indices = np.concatenate([indices, np.zeros(pad, dtype=np.int32)])
-        last = np.concatenate([last, np.ones(pad, dtype=np.int32)])
+        pages = -(-pad_len // page_size)  # page 0 again and again: its slots are never read for real
+        indptr = np.concatenate([indptr, indptr[-1] + pages * np.arange(1, pad + 1, dtype=np.int32)])
+        indices = np.concatenate([indices, np.zeros(pad * pages, dtype=np.int32)])
+        last = np.concatenate([last, np.full(pad, pad_len - (pages - 1) * page_size, dtype=np.int32)])
     return indptr, indices, last
+
+
+def _no_rows(req_to_token: torch.Tensor) -> AttentionInputs:
+    """A batch of no requests (a captured graph's plan pads it to padding only)."""
+    empty = torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+    return AttentionInputs(ForwardMode.DECODE, empty, [], [], empty, empty, req_to_token, torch.float32,
+                           np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int32))
 
 
 def _indptr(lens: list[int]) -> np.ndarray:
@@ -85,7 +95,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
         self._window_left = sliding_window - 1 if sliding_window else -1
         self._wrapper: object = None
-        self._graph_wrappers: dict[int, object] = {}  # batch-size bucket -> decode wrapper (fixed buffers)
+        # (batch-size bucket, queries a request) -> decode (1) or prefill (verify) wrapper with fixed buffers
+        self._graph_wrappers: dict[tuple[int, int], object] = {}
 
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         kv = self.kv_cache
@@ -110,33 +121,54 @@ class FlashInferAttentionBackend(AttentionBackend):
                                head_dim_qk=kv.head_dim, causal=True, **paged)
             self._wrapper = self._prefill
 
-    # ---- CUDA graphs (decode) -----------------------------------------------------------------
+    # ---- CUDA graphs (decode; verify: k + 1 queries a request, FlashInfer's prefill kernel) ------------
     supports_cuda_graph = True
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        """Make the decode wrapper for ``bs`` rows (fixed buffers) and plan a dummy batch: every
-        row one token on the reserved page 0."""
+        """Make the wrapper for ``bs`` requests of ``static.tokens_per_row`` queries (fixed buffers) and
+        plan a batch of padding only: every request on the reserved page 0."""
         import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
-        kv, dev = self.kv_cache, self.kv_cache.k[0].device
-        max_pages = kv.num_slots // kv.page_size
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev))
-        self._graph_wrappers[bs] = wrapper
-        self._plan_decode(wrapper, torch.arange(bs + 1, dtype=torch.int32),
-                          torch.zeros(bs, dtype=torch.int32, device=dev), torch.ones(bs, dtype=torch.int32))
+        kv, dev, q = self.kv_cache, self.kv_cache.k[0].device, static.tokens_per_row
+        indptr_buf = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
+        padding_pages = bs * -(-q // kv.page_size)  # beyond the pool's pages: a padded request's page-0 entries
+        indices_buf = torch.zeros(kv.num_slots // kv.page_size + padding_pages, dtype=torch.int32, device=dev)
+        last_buf = torch.zeros(bs, dtype=torch.int32, device=dev)
+        wrapper: object
+        if q == 1:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+                paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+                paged_kv_last_page_len_buffer=last_buf)
+        else:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buf=indptr_buf, paged_kv_indices_buf=indices_buf, paged_kv_last_page_len_buf=last_buf)
+        self._graph_wrappers[bs, q] = wrapper
+        indptr, indices, last = page_table(_no_rows(static.req_to_token), kv.page_size, pad_to=bs, pad_len=q)
+        self._plan_graph(wrapper, q, _pinned(indptr), _pinned(indices).to(dev), _pinned(last))
         self._wrapper, self._out_cache_loc = wrapper, static.out_cache_loc
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        """Plan the real rows, padded to ``bs`` with one-token rows on page 0."""
-        indptr, indices, last = page_table(inputs, self.kv_cache.page_size, pad_to=bs)
-        dev = self.kv_cache.k[0].device
-        self._plan_decode(self._graph_wrappers[bs], _pinned(indptr), _pinned(indices).to(dev, non_blocking=True),
-                          _pinned(last))
-        self._wrapper = self._graph_wrappers[bs]
+        """Plan the real requests, padded to ``bs`` with requests on page 0."""
+        q = inputs.extend_lens_cpu[0] if inputs.extend_lens_cpu else 1
+        q = q if (bs, q) in self._graph_wrappers else 1  # an IDLE replay: padding only, in the decode graph
+        indptr, indices, last = page_table(inputs, self.kv_cache.page_size, pad_to=bs, pad_len=q)
+        wrapper = self._graph_wrappers[bs, q]
+        self._plan_graph(wrapper, q, _pinned(indptr), _pinned(indices).to(self.kv_cache.k[0].device, non_blocking=True),
+                         _pinned(last))
+        self._wrapper = wrapper
+
+    def _plan_graph(self, wrapper: object, q: int, indptr: torch.Tensor, indices: torch.Tensor,
+                    last: torch.Tensor) -> None:
+        if q == 1:
+            self._plan_decode(wrapper, indptr, indices, last)
+            return
+        kv = self.kv_cache
+        qo = _pinned(np.arange(len(last) + 1, dtype=np.int32) * q)
+        wrapper.plan(qo, indptr, indices, last, num_qo_heads=self.num_heads,  # type: ignore[attr-defined]
+                     num_kv_heads=kv.num_kv_heads, head_dim_qk=kv.head_dim, page_size=kv.page_size, causal=True,
+                     window_left=self._window_left, sm_scale=self.scale, q_data_type=kv.dtype, kv_data_type=kv.dtype)
 
     def _plan_decode(self, wrapper: object, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
         """Split-KV stays on in every bucket, although past 2 CTAs x SMs / kv heads rows FlashInfer never

@@ -1,4 +1,4 @@
-"""FlashInfer for EXTEND, MIXED and large DECODE batches, the project's Triton split-K kernel for
+"""FlashInfer for EXTEND, MIXED, TARGET_VERIFY and large DECODE batches, the project's Triton split-K kernel for
 DECODE batches of up to ``TRITON_DECODE_MAX_ROWS`` rows (eager and in CUDA graphs, chosen per
 graph bucket), over the one paged KV cache.
 
@@ -42,11 +42,11 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         self._active.init_forward_metadata(inputs)
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        self._active = self._for_decode(bs)
+        self._active = self._for_decode(bs) if static.tokens_per_row == 1 else self._flashinfer  # verify: FlashInfer
         self._active.init_capture(bs, static)
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        self._active = self._for_decode(bs)
+        self._active = self._for_decode(bs) if inputs.one_token_per_row else self._flashinfer
         self._active.init_replay(inputs, bs)
 
     def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ DECODE (every ``extend_len`` 1) runs the split-K decode kernel, EXTEND and MIXED
 at token granularity, so any page size works, and both take their loop bounds from device memory:
 ``init_forward_metadata`` only copies a few [B] host lists to the device, with no sync and no plan.
 
-CUDA graphs (decode): the graph reads the rows from the runner's static buffers (``GraphInputs``,
-filled before each replay) and the engine's slot table, whose address it keeps.
+CUDA graphs (decode, and TARGET_VERIFY's k + 1 queries a request through the extend kernel): the
+graph reads the rows from the runner's static buffers (``GraphInputs``, filled before each replay)
+and the engine's slot table, whose address it keeps.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class _ExtendMeta:
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
     req_pool_indices: torch.Tensor  # [B] (device)
     qo_start: torch.Tensor  # [B] int32 (device): first query row of each request
-    prefix_lens: torch.Tensor  # [B] int32 (device)
+    prefix_lens: torch.Tensor  # [B] int32 (device; a verify graph's are int64)
     extend_lens: torch.Tensor  # [B] int32 (device)
     max_extend_len: int
 
@@ -47,7 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode_tiles = decode_tiles
         self._device = kv_cache.k[0].device
         self._meta: _DecodeMeta | _ExtendMeta | None = None
-        self._graph_rows: dict[int, tuple[_DecodeMeta, torch.Tensor]] = {}  # bucket -> its static rows, KV slots
+        # (bucket, queries a request) -> its static rows, KV slots
+        self._graph_rows: dict[tuple[int, int], tuple[_DecodeMeta | _ExtendMeta, torch.Tensor]] = {}
         # the decode kernel's per-(row, kv head) slice counters, zero between launches: one buffer for
         # eager steps and graphs, grown outside capture (``_reserve_counters``); a grown-out buffer
         # stays alive, as graphs captured before keep its address
@@ -79,15 +81,26 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        """Decode over ``static``'s rows and slot table (during capture: padding rows, slot table row 0)."""
-        self._reserve_counters(bs)
-        self._graph_rows[bs] = (_DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens),
-                                static.out_cache_loc)
-        self._meta, self._out_cache_loc = self._graph_rows[bs]
+        """Decode (or verify) over ``static``'s rows and slot table (during capture: padding rows, slot
+        table row 0). A verify graph's query starts and lengths are fixed: ``tokens_per_row`` each."""
+        q = static.tokens_per_row
+        meta: _DecodeMeta | _ExtendMeta
+        if q == 1:
+            self._reserve_counters(bs)
+            meta = _DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens)
+        else:
+            if static.prefix_lens is None:
+                raise ValueError("a verify graph reads its prefix lengths from the static buffers")
+            starts = torch.arange(0, q * bs, q, dtype=torch.int32, device=self._device)
+            meta = _ExtendMeta(static.req_to_token, static.req_pool_indices, starts, static.prefix_lens,
+                               torch.full((bs,), q, dtype=torch.int32, device=self._device), q)
+        self._graph_rows[bs, q] = (meta, static.out_cache_loc)
+        self._meta, self._out_cache_loc = meta, static.out_cache_loc
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
         """The rows are in the static buffers already; the graph reads the table it was captured with."""
-        meta, self._out_cache_loc = self._graph_rows[bs]
+        q = 1 if inputs.one_token_per_row else inputs.extend_lens_cpu[0]
+        meta, self._out_cache_loc = self._graph_rows[bs, q]
         if inputs.req_to_token is not meta.req_to_token:
             raise ValueError("a decode graph replays over the slot table it was captured with")
         self._meta = meta

@@ -73,6 +73,12 @@ def add_parser(sub: Any) -> None:
     ver.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ver.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)), help="drafts per verify step")
     ver.set_defaults(func=_json_bench("verify_cost"))
+    dra = kinds.add_parser("draft", help="batch-1 speculative decoding with a draft model, end to end, vs plain (GPU)")
+    _gpu_bench_args(dra, input_len=512, output_len=128)
+    dra.add_argument("--k", type=int, default=4, help="speculative_num_steps")
+    dra.add_argument("--drafts", nargs="+", default=["self", "llama-3.2-1b"],
+                     help="draft models: 'self' (the target's own weights) or shape presets")
+    dra.set_defaults(func=_json_bench("draft_cost"))
     thr = kinds.add_parser("throughput", help="many requests at once on random weights vs the roofline (GPU)")
     _gpu_bench_args(thr, input_len=1024, output_len=512)
     thr.add_argument("--num-prompts", type=int, default=512)

@@ -5,7 +5,7 @@ in place of prompt lookup, so the step's shape is the one measured whatever the 
 weights reject them, so each step emits one token and the context grows as a decode's does.
 
 The step time is wall time over the steps of a run, host work included (a verify step is not
-overlapped with the next). From the costs: the batch-1 tok/s that an acceptance length of 3 (two
+overlapped with the next). Verify steps replay CUDA graphs of their k (captured anew for each k). From the costs: the batch-1 tok/s that an acceptance length of 3 (two
 drafts kept, then the target's token) would give at each k, against plain decoding's."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class FixedDrafter(NgramDrafter):
         return [3] * max(self.room(req), 0)
 
 
-def _step_ms(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+def step_ms(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
     """Mean wall ms of the steps until each of ``prompts`` has ``steps`` more tokens (the device synced at
     both ends; the loop times a step from its launch, which leaves an eager step's launch out), and the
 drafts a verify step carried per request."""
@@ -66,34 +66,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               kv_cache_tokens=top_bs * (args.input_len + args.output_len + k_max + 32) + 64,
               max_context_len=args.input_len + args.output_len + k_max + 16)
     sched, vocab = llm.scheduler, llm.model_config.vocab_size
-    drafters = {k: FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.max_context)
-                for k in args.ks}
-    rows = []
+    prompts = {bs: random_prompts(vocab, bs, args.input_len, seed=bs).tolist() for bs in args.batch_sizes}
+    decode: dict[int, float] = {}
+    verify: dict[int, dict[int, float]] = {bs: {} for bs in args.batch_sizes}
+    drafts: dict[int, dict[int, float]] = {bs: {} for bs in args.batch_sizes}
+    sched.drafter = None
     for bs in args.batch_sizes:
-        prompts = random_prompts(vocab, bs, args.input_len, seed=bs).tolist()
-        sched.drafter = None
-        _step_ms(llm, prompts, 8)  # warm: graphs of this bucket, first-use costs
-        decode, _ = _step_ms(llm, prompts, args.output_len)
-        verify, drafts = {}, {}
-        for k in args.ks:
-            sched.drafter = drafters[k]
-            _step_ms(llm, prompts, 4)
-            verify[k], drafts[k] = _step_ms(llm, prompts, args.output_len)
-        rows.append({
-            "batch_size": bs, "decode_step_ms": round(decode, 4),
-            "verify_step_ms": {k: round(v, 4) for k, v in verify.items()},
-            "verify_vs_decode": {k: round(v / decode, 3) for k, v in verify.items()},
-            "drafts_per_request_step": {k: round(d, 3) for k, d in drafts.items()},
-            # output tok/s at acceptance length 3 (only k >= 2 can keep two drafts), and as a ratio to plain decoding's
-            "plain_tok_s": round(bs * 1e3 / decode, 1),
-            "projected_tok_s_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * bs * 1e3 / v, 1)
-                                                for k, v in verify.items() if k >= ACCEPTANCE_LENGTH - 1},
-            "projected_speedup_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * decode / v, 3)
-                                                  for k, v in verify.items() if k >= ACCEPTANCE_LENGTH - 1},
-        })
+        step_ms(llm, prompts[bs], 8)  # warm: graphs of this bucket, first-use costs
+        decode[bs], _ = step_ms(llm, prompts[bs], args.output_len)
+    for k in args.ks:
+        llm.runner.capture_verify_graphs(k + 1)  # k drafts a request: the verify graphs of that shape
+        sched.drafter = FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.max_context)
+        for bs in args.batch_sizes:
+            step_ms(llm, prompts[bs], 4)
+            verify[bs][k], drafts[bs][k] = step_ms(llm, prompts[bs], args.output_len)
+    rows = [{
+        "batch_size": bs, "decode_step_ms": round(decode[bs], 4),
+        "verify_step_ms": {k: round(v, 4) for k, v in verify[bs].items()},
+        "verify_vs_decode": {k: round(v / decode[bs], 3) for k, v in verify[bs].items()},
+        "drafts_per_request_step": {k: round(d, 3) for k, d in drafts[bs].items()},
+        # output tok/s at acceptance length 3 (only k >= 2 can keep two drafts), and as a ratio to plain decoding's
+        "plain_tok_s": round(bs * 1e3 / decode[bs], 1),
+        "projected_tok_s_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * bs * 1e3 / v, 1)
+                                            for k, v in verify[bs].items() if k >= ACCEPTANCE_LENGTH - 1},
+        "projected_speedup_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * decode[bs] / v, 3)
+                                              for k, v in verify[bs].items() if k >= ACCEPTANCE_LENGTH - 1},
+    } for bs in args.batch_sizes]
+    graphs = llm.runner.verify_graphs
     out = {"bench": "verify", "shape": args.model or args.shape, "device": device_name(torch.device(args.device)),
            "dtype": str(llm.runner.dtype).removeprefix("torch."), "attention_backend": llm.runner.attention_backend_name,
-           "cuda_graph": llm.runner.graphs is not None, "input_len": args.input_len, "steps": args.output_len,
-           "results": rows}
+           "cuda_graph": llm.runner.graphs is not None, "verify_graph_buckets": graphs.buckets if graphs else [],
+           "verify_graph_replays": dict(graphs.hits) if graphs else {}, "input_len": args.input_len,
+           "steps": args.output_len, "results": rows}
     tmp.cleanup()
     return out

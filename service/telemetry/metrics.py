@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from ...engine.scheduler.stats import ForwardModeStats
 
+ACCEPTANCE_LENGTH_MAX = 9  # the acceptance-length histogram's buckets: 1 .. 9 tokens a verify step, then +Inf
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -48,6 +49,12 @@ class StepCollector(Collector):
                                         labels=["mode", "dp_rank"])
         graphs = CounterMetricFamily("modeserve_cuda_graph_replays", "Steps of a CUDA-graph mode: replayed (hit) "
                                      "or run eagerly because no graph fits (miss)", labels=["mode", "hit", "dp_rank"])
+        drafts = CounterMetricFamily("modeserve_spec_draft_tokens", "Draft tokens proposed to TARGET_VERIFY steps",
+                                     labels=["dp_rank"])
+        kept = CounterMetricFamily("modeserve_spec_accepted_tokens", "Draft tokens the target kept",
+                                   labels=["dp_rank"])
+        lengths = HistogramMetricFamily("modeserve_spec_acceptance_length", "Tokens a TARGET_VERIFY step emitted "
+                                        "for one request (kept drafts + 1)", labels=["dp_rank"])
         queue = GaugeMetricFamily("modeserve_queue_requests", "Requests waiting for admission", labels=["dp_rank"])
         running = GaugeMetricFamily("modeserve_running_requests", "Requests running", labels=["dp_rank"])
         kv = GaugeMetricFamily("modeserve_kv_cache_usage_ratio", "KV cache pages in use by running requests",
@@ -60,6 +67,11 @@ class StepCollector(Collector):
             for mode in list(st.mode_time_buckets):
                 buckets, _, total = st.step_time_histogram(mode)
                 seconds.add_metric([mode, s.rank], [(_le(b), c) for b, c in buckets], total)
+            if st.spec_verify_steps:
+                drafts.add_metric([s.rank], st.spec_draft_tokens)
+                kept.add_metric([s.rank], st.spec_accepted_tokens)
+                buckets, total = st.acceptance_histogram(ACCEPTANCE_LENGTH_MAX)
+                lengths.add_metric([s.rank], [(_le(b), c) for b, c in buckets], total)
             if s.graph_stats is not None:
                 for mode, n in s.graph_stats.get("hits", {}).items():
                     graphs.add_metric([mode, "true", s.rank], n)
@@ -69,7 +81,7 @@ class StepCollector(Collector):
                 queue.add_metric([s.rank], s.queued)
                 running.add_metric([s.rank], s.running)
                 kv.add_metric([s.rank], s.kv_usage)
-        yield from (steps, tokens, seconds, graphs)
+        yield from (steps, tokens, seconds, graphs, drafts, kept, lengths)
         if self._with_queue:
             yield from (queue, running, kv)
 

@@ -102,6 +102,7 @@ class StepTracer:
         if span is not None and self.in_process:
             end_forward_span(self.tracing, span, result, end_time)
         elif span is not None:
+            _add_accepted(span, result)
             self.tracing.end(span, end_time)
 
     @staticmethod
@@ -110,8 +111,18 @@ class StepTracer:
 
 
 def step_attributes(batch: ForwardBatch, dp_rank: int) -> dict[str, Any]:
-    return {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
-            "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank}
+    """A step span's attributes; a TARGET_VERIFY step's also say how many drafts it carries."""
+    attrs: dict[str, Any] = {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
+                             "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank}
+    if batch.forward_mode == ForwardMode.TARGET_VERIFY:
+        attrs["modeserve.spec.draft_tokens"] = batch.num_tokens - batch.batch_size
+    return attrs
+
+
+def _add_accepted(span: SpanRecord, result: ForwardResult) -> None:
+    """A verify step's span: how many of its drafts the target kept."""
+    if result.accepted_lengths is not None:
+        span.attributes["modeserve.spec.accepted_tokens"] = int(result.accepted_lengths.sum())
 
 
 def forward_span(tracing: Tracing, batch: ForwardBatch, dp_rank: int) -> SpanRecord | None:
@@ -131,4 +142,5 @@ def end_forward_span(tracing: Tracing, span: SpanRecord | None, result: ForwardR
         bucket = result.cuda_graph_bucket
         span.attributes.update({"modeserve.cuda_graph": bucket is not None, "modeserve.padded_batch_size":
                                 bucket if bucket is not None else span.attributes["modeserve.batch_size"]})
+        _add_accepted(span, result)
         tracing.end(span, end_time)

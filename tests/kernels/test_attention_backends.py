@@ -210,9 +210,12 @@ def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
         torch.testing.assert_close(out.double(), dense_reference(case, None), rtol=1e-5, atol=1e-5)
         expected = "flashinfer" if kind == "mixed" else "triton"
         assert calls[-2:] == [(expected, "plan", len(ext)), (expected, "forward", case["q"].shape[0])]
-    loc = torch.zeros(TRITON_DECODE_MAX_ROWS + 1, dtype=torch.int64)
-    for bs in (1, 256, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1):
-        hybrid.init_capture(bs, GraphInputs(loc[:bs], loc[:bs], loc[:bs], case["req_to_token"]))
-        hybrid.init_replay(None, bs)  # type: ignore[arg-type]  # the recorder does not read it
-        name = "triton" if bs <= TRITON_DECODE_MAX_ROWS else "flashinfer"
-        assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]
+    loc = torch.zeros(3 * (TRITON_DECODE_MAX_ROWS + 1), dtype=torch.int64)
+    for q in (1, 3):  # decode graphs by batch size; a verify graph's k + 1 queries a request: FlashInfer's prefill
+        for bs in (1, 256, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1):
+            hybrid.init_capture(bs, GraphInputs(loc[: q * bs], loc[:bs], loc[:bs], case["req_to_token"], loc[:bs], q))
+            mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
+            hybrid.init_replay(AttentionInputs(mode, loc[:bs], [0] * bs, [q] * bs, loc[:bs], loc[: q * bs],
+                                               case["req_to_token"], torch.float32), bs)
+            name = "triton" if bs <= TRITON_DECODE_MAX_ROWS and q == 1 else "flashinfer"
+            assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]

@@ -80,3 +80,36 @@ def test_router_and_engine_metrics_agree_by_mode(engine_and_router) -> None:  # 
     info = client.model_info()
     assert {m.mode: m.steps for m in info.mode_stats} == {m: int(v) for m, v in steps_r.items()}
     client.close()
+
+
+def test_speculative_metrics_count_what_the_streams_carried(tiny_model: Path) -> None:
+    """n-gram drafting behind a router (overlap off, so no token is computed and then dropped): the
+    drafts and kept drafts are counted, and every streamed token is a prefill's first token, a DECODE
+    step's or one of the acceptance-length histogram's (its sum)."""
+    from tests.engine.test_speculative import PROMPTS
+
+    cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=4096)
+    engine = create_engine_server(ModelRunner(cfg.runner, open_checkpoint(tiny_model)), "127.0.0.1:0",
+                                  model_path=str(tiny_model), dp_rank=0, metrics_port=0)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, RemoteRouterConfig(
+        SchedulerConfig(speculative_algorithm="ngram"), overlap=False, metrics_port=0))
+    try:
+        client = GenerateClient(f"127.0.0.1:{app.port}")
+        outs = generate_all(client, PROMPTS, 20)
+        client.close()
+        router, eng = scrape(app.metrics.port), scrape(engine.metrics.port)
+    finally:
+        app.stop(grace=1)
+        engine.stop(1)
+    rank = (("dp_rank", "0"),)
+    verify_requests = router["modeserve_spec_acceptance_length_count", rank]
+    emitted = router["modeserve_spec_acceptance_length_sum", rank]
+    kept = router["modeserve_spec_accepted_tokens_total", rank]
+    assert 0 < kept <= router["modeserve_spec_draft_tokens_total", rank]
+    assert emitted == kept + verify_requests  # each request of a verify step: its kept drafts and one token
+    assert router["modeserve_spec_acceptance_length_bucket", (("dp_rank", "0"), ("le", "+Inf"))] == verify_requests
+    assert router["modeserve_spec_acceptance_length_bucket", (("dp_rank", "0"), ("le", "1.0"))] < verify_requests
+    decode_tokens = by_mode(router, "modeserve_forward_tokens_total").get("DECODE", 0)
+    assert sum(len(o.token_ids) for o in outs) == len(PROMPTS) * 20 == len(PROMPTS) + decode_tokens + emitted
+    steps_e = by_mode(eng, "modeserve_forward_steps_total", dp_rank="0")
+    assert steps_e["TARGET_VERIFY"] == by_mode(router, "modeserve_forward_steps_total")["TARGET_VERIFY"] > 0
