@@ -20,7 +20,7 @@ from .attention_decode import LOG2E
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q/out [T, Hq, D]; k/v cache [num_slots, Hkv, D]
     req_to_token_ptr, req_pool_ptr,  # [max_reqs, max_context] int64, [B]
-    qo_start_ptr, prefix_lens_ptr, extend_lens_ptr,  # [B] int32 each
+    qo_start_ptr, prefix_lens_ptr, extend_lens_ptr,  # [B] int32 each (int64 read as int32 too)
     scale_log2, window,  # window <= 0: none
     stride_table, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -29,10 +29,10 @@ def _extend_kernel(
     m_block = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
-    extend_len = tl.load(extend_lens_ptr + b)
+    extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)  # int32 or int64 lengths (a verify graph's)
     if m_block * BLOCK_M >= extend_len:
         return
-    prefix_len = tl.load(prefix_lens_ptr + b)
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
     qo_start = tl.load(qo_start_ptr + b).to(tl.int64)
     req = tl.load(req_pool_ptr + b).to(tl.int64)
     kv_head = head // GROUP
