@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _speculative_run(llm, prompt, 8)  # warm
         r = _speculative_run(llm, prompt, args.output_len)
         draft_ms = (r["step_ms"] - verify_ms) / k
+        drafter, verifier = llm.runner.draft, llm.runner.verify_graphs
         rows.append({
             "draft": draft, "tok_s": round(r["tok_s"], 1), "vs_plain_tok_s": round(r["tok_s"] * decode_ms / 1e3, 3),
             "acceptance_length": round(r["acceptance_length"], 3), "step_ms": round(r["step_ms"], 4),
@@ -86,8 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "draft_token_vs_decode_step": round(draft_ms / decode_ms, 3),
             "projected_tok_s_at_acceptance_3": round(ACCEPTANCE_LENGTH * 1e3 / r["step_ms"], 1),
             "projected_speedup_at_acceptance_3": round(ACCEPTANCE_LENGTH * decode_ms / r["step_ms"], 3),
-            "draft_graph_replays": dict(llm.runner.draft.graphs.hits) if llm.runner.draft.graphs else {},
-            "verify_graph_replays": dict(llm.runner.verify_graphs.hits) if llm.runner.verify_graphs else {}})
+            "draft_graph_replays": dict(drafter.graphs.hits) if drafter is not None and drafter.graphs else {},
+            "draft_catch_up_graph_replays": (dict(drafter.catch_up_graphs.hits)
+                                             if drafter is not None and drafter.catch_up_graphs else {}),
+            "verify_graph_replays": dict(verifier.hits) if verifier else {}})
         _free(llm)
     tmp.cleanup()
     return {"bench": "draft", "shape": args.model or args.shape, "device": device_name(torch.device(args.device)),

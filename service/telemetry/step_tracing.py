@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from opentelemetry.trace import SpanContext, SpanKind
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
+from ...engine.forward_mode import ForwardMode
 from .span_record import SpanRecord
 from .tracing import Tracing, extract, inject
 

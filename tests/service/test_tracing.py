@@ -232,3 +232,30 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     assert modes.count("EXTEND") == info["EXTEND"] and modes.count("DECODE") == info["DECODE"]
     assert len(steps) == len(forwards) and all(s.parent_span_id == request.span_id for s in steps)
     assert {s.parent_span_id for s in forwards} == {s.span_id for s in steps}
+
+
+def test_verify_step_spans_say_drafts_and_kept(tiny_model: Path) -> None:
+    """n-gram drafting in process: each TARGET_VERIFY forward span carries its drafts and how many the
+    target kept; over all of them they add up to the statistics' counts."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.router.in_process import start_serve
+    from tests.engine.test_speculative import PROMPTS
+
+    exporter = InMemorySpanExporter()
+    app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
+                      page_size=4, speculative_algorithm="ngram")
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        outs = [client.generate(token_ids=p, max_new_tokens=16, ignore_eos=True) for p in PROMPTS[:4]]
+        assert all(len(o.token_ids) == 16 for o in outs)
+    finally:
+        client.close()
+        app.stop(grace=1)
+    verifies = [s.attributes for s in exporter.get_finished_spans() if s.name == "modeserve.forward"
+                and s.attributes["modeserve.forward_mode"] == "TARGET_VERIFY"]
+    spec = app.loops[0].scheduler.stats.get_stats()["speculative"]
+    assert len(verifies) == spec["verify_steps"] > 0
+    assert sum(a["modeserve.spec.draft_tokens"] for a in verifies) == spec["draft_tokens"]
+    assert sum(a["modeserve.spec.accepted_tokens"] for a in verifies) == spec["accepted_tokens"] > 0
