@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -22,12 +23,22 @@ class Completion:
     num_messages: int = 0
 
 
+# A stream the server refused before it began (HTTP/2 REFUSED_STREAM: a connection over its
+# MAX_CONCURRENT_STREAMS, which a client can overrun while the server still counts closing streams)
+# ends UNAVAILABLE before any response; gRPC retries such a call (only until a response has arrived).
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "modeserve.v1.Generate"}],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "0.5s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+
+
 class GenerateClient:
     def __init__(self, target: str, api_key: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         """``api_key``: sent as ``authorization: Bearer KEY``; ``credentials``: TLS (plaintext without)."""
-        self.channel = (grpc.secure_channel(target, credentials) if credentials is not None
-                        else grpc.insecure_channel(target))
+        options = [("grpc.enable_retries", 1), ("grpc.service_config", RETRY_SERVICE_CONFIG)]
+        self.channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
+                        else grpc.insecure_channel(target, options=options))
         self.stub = generate_pb2_grpc.GenerateStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

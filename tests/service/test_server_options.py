@@ -29,6 +29,9 @@ def app(tiny_model: Path) -> Iterator[RouterApp]:
 
 def test_a_connection_holds_at_most_its_streams_and_the_rest_complete_later(app: RouterApp) -> None:
     client = GenerateClient(f"127.0.0.1:{app.port}")
+    # one call first: until the client has the server's SETTINGS (MAX_CONCURRENT_STREAMS) it may open
+    # more streams than allowed, and HTTP/2 refuses the excess (RST_STREAM REFUSED_STREAM: UNAVAILABLE)
+    assert client.generate(token_ids=[5, 6, 7], max_new_tokens=1).completion_tokens == 1
     outs: list[Completion] = []
     threads = [threading.Thread(target=lambda: outs.append(client.generate(token_ids=[5, 6, 7], max_new_tokens=200,
                                                                            ignore_eos=True))) for _ in range(4)]
