@@ -178,9 +178,7 @@ class ModelRunner:
              rows_np, sample_idx_np], self.device)
         self.slots.record(rows, positions, out_cache_loc, input_ids)
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
-        if self.draft is not None and batch.forward_mode == ForwardMode.TARGET_VERIFY:
-            input_ids = self.draft.propose(batch, input_ids, out_cache_loc, req_pool, self.slots)
-            self.slots.token_ids[rows, positions] = input_ids  # the drafts' ids (their slots are recorded)
+        input_ids = self._drafted(batch, input_ids, out_cache_loc, req_pool, rows, positions)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
@@ -209,6 +207,16 @@ class ModelRunner:
             req_to_page_cpu=self.slots.req_to_page,
         )
 
+    def _drafted(self, batch: ForwardBatch, input_ids: torch.Tensor, out_cache_loc: torch.Tensor,
+                 req_pool: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A verify step's input ids with the draft model's drafts in (recorded in the slot table too);
+        ``input_ids`` itself for other steps and without a draft model."""
+        if self.draft is None or batch.forward_mode != ForwardMode.TARGET_VERIFY:
+            return input_ids
+        drafted = self.draft.propose(batch, input_ids, out_cache_loc, req_pool, self.slots)
+        self.slots.token_ids[rows, positions] = drafted  # the drafts' ids (their slots are recorded)
+        return drafted
+
     def _graphs_for(self, batch: ForwardBatch) -> CudaGraphRunner | None:
         """The graphs that may replay ``batch``: DECODE's (IDLE's too), or TARGET_VERIFY's when every
         request carries k drafts."""
@@ -227,10 +235,10 @@ class ModelRunner:
             batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
         token_rows = rows.req_pool_indices if graphs.q == 1 else rows.req_pool_indices.repeat_interleave(graphs.q)
         self.slots.record(token_rows, rows.positions, rows.out_cache_loc, rows.input_ids)
-        if self.draft is not None and batch.forward_mode == ForwardMode.TARGET_VERIFY:
-            drafted = self.draft.propose(batch, rows.input_ids, rows.out_cache_loc, rows.req_pool_indices, self.slots)
+        drafted = self._drafted(batch, rows.input_ids, rows.out_cache_loc, rows.req_pool_indices, token_rows,
+                                rows.positions)
+        if drafted is not rows.input_ids:  # a decode step copies nothing
             rows.input_ids.copy_(drafted)
-            self.slots.token_ids[token_rows, rows.positions] = drafted
         self.attn.init_replay(self._attention_inputs(batch, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc),
                               bucket)
         self._mark_inputs_consumed()
