@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
     tr.add_argument("--device", default="cpu")
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--prompt-len", type=int, default=16)
-    tr.add_argument("--steps", type=int, default=200)
+    tr.add_argument("--steps", type=int, default=1000, help="decode steps of a long run")
     tr.add_argument("--repeats", type=int, default=7, help="interleaved rounds (medians reported)")
     tr.add_argument("--threads", type=int, default=1)
     tr.add_argument("--cpus", default=None, help="run on these CPUs only (e.g. 1): steadier figures on a shared machine")
