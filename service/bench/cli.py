@@ -72,6 +72,9 @@ def add_parser(sub: Any) -> None:
     _gpu_bench_args(ver, input_len=512, output_len=32)
     ver.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ver.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)), help="drafts per verify step")
+    ver.add_argument("--profile-steps", type=int, default=0,
+                     help="also profile this many decode and verify steps at the smallest batch size and the "
+                          "largest k (device time per kernel), and time each linear layer at the verify's rows")
     ver.set_defaults(func=_json_bench("verify_cost"))
     dra = kinds.add_parser("draft", help="batch-1 speculative decoding with a draft model, end to end, vs plain (GPU)")
     _gpu_bench_args(dra, input_len=512, output_len=128)

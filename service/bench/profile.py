@@ -5,7 +5,7 @@ prefill when launching its kernels takes longer than running them."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd import DeviceType
@@ -42,6 +42,23 @@ def _profiler() -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+
+
+def profile_steps(llm: Any, run: Callable[[], None]) -> dict[str, Any]:
+    """Device time per step by kernel and wall time per step over the steps ``run`` makes the engine
+    take (the device synced at both ends)."""
+    counts = llm.scheduler.stats.mode_counts
+    before = sum(counts.values())
+    sync(llm.runner.device)
+    with _profiler() as prof:
+        start = time.perf_counter()
+        run()
+        sync(llm.runner.device)
+        wall = time.perf_counter() - start
+    steps = max(sum(counts.values()) - before, 1)
+    rows = _rows(prof, steps, llm.runner.device.type == "cuda", device_side=True)
+    return {"steps": steps, "wall_ms_per_step": round(wall * 1e3 / steps, 4),
+            "device_ms_per_step": round(sum(r["us_per_step"] for r in rows) / 1e3, 4), "top_kernels": rows[:25]}
 
 
 def decode_profile(llm: Any, prompts: torch.Tensor, sp: SamplingParams, steps: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.speculative import NgramDrafter
 from .batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
 from .limits import device_name, sync
+from .profile import profile_steps
 
 ACCEPTANCE_LENGTH = 3
 
@@ -34,10 +35,12 @@ class FixedDrafter(NgramDrafter):
         return [3] * max(self.room(req), 0)
 
 
-def step_ms(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+def step_ms(llm: Any, prompts: list[list[int]], steps: int,
+            profile: list[dict[str, Any]] | None = None) -> tuple[float, float]:
     """Mean wall ms of the steps until each of ``prompts`` has ``steps`` more tokens (the device synced at
     both ends; the loop times a step from its launch, which leaves an eager step's launch out), and the
-drafts a verify step carried per request."""
+    drafts a verify step carried per request. Given ``profile``, those steps run under ``torch.profiler``
+    and their device time by kernel is appended to it."""
     k = llm.scheduler.drafter.k if llm.scheduler.drafter is not None else 0
     # room for k drafts to the end of the timed steps; the rest aborted
     reqs = add_batch(llm, prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + k + 2, ignore_eos=True))
@@ -47,12 +50,37 @@ drafts a verify step carried per request."""
     n0, d0, v0 = sum(counts.values()), stats.spec_draft_tokens, stats.mode_requests["TARGET_VERIFY"]
     sync(llm.runner.device)
     start = time.perf_counter()
-    llm.run_until(lambda: all(len(r.output_ids) > steps for r in reqs))
+    run = lambda: llm.run_until(lambda: all(len(r.output_ids) > steps for r in reqs))  # noqa: E731
+    if profile is None:
+        run()
+    else:
+        profile.append(profile_steps(llm, run))
     sync(llm.runner.device)
     for r in reqs:
         llm.abort(r.rid)
     ms = (time.perf_counter() - start) * 1e3 / max(sum(counts.values()) - n0, 1)
     return ms, (stats.spec_draft_tokens - d0) / max(stats.mode_requests["TARGET_VERIFY"] - v0, 1)
+
+
+def _profiles(llm: Any, prompts: list[list[int]], k: int, steps: int) -> dict[str, Any]:
+    """Where the smallest batch's steps go: a decode run and a verify run of ``k`` drafts (the graphs
+    of the last k measured are the ones captured) under ``torch.profiler``, and each linear layer
+    timed alone at k+1 rows (cuBLAS, as a verify step runs it) against its roofline."""
+    from .limits import measure_roofline
+    from .linear import linear_report
+
+    sched, profiles = llm.scheduler, []
+    drafter, sched.drafter = sched.drafter, None
+    step_ms(llm, prompts, steps, profiles)
+    sched.drafter = drafter
+    step_ms(llm, prompts, steps, profiles)
+    decode, verify = profiles
+    out = {"batch_size": len(prompts), "k": k, "decode": decode, "verify": verify}
+    if llm.runner.device.type == "cuda":
+        roof = measure_roofline(llm.runner)
+        out["linear_at_verify_rows"] = linear_report(llm.runner.model, len(prompts) * (k + 1), roof.bandwidth,
+                                                     roof.flops)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for bs in args.batch_sizes:
             step_ms(llm, prompts[bs], 4)
             verify[bs][k], drafts[bs][k] = step_ms(llm, prompts[bs], args.output_len)
+    profiles = _profiles(llm, prompts[min(args.batch_sizes)], args.ks[-1], args.profile_steps) if args.profile_steps else None
     rows = [{
         "batch_size": bs, "decode_step_ms": round(decode[bs], 4),
         "verify_step_ms": {k: round(v, 4) for k, v in verify[bs].items()},
@@ -98,5 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "cuda_graph": llm.runner.graphs is not None, "verify_graph_buckets": graphs.buckets if graphs else [],
            "verify_graph_replays": dict(graphs.hits) if graphs else {}, "input_len": args.input_len,
            "steps": args.output_len, "results": rows}
+    if profiles is not None:
+        out["profiles"] = profiles
     tmp.cleanup()
     return out
