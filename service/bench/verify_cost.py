@@ -69,7 +69,8 @@ def _profiles(llm: Any, prompts: list[list[int]], k: int, steps: int) -> dict[st
     from .limits import measure_roofline
     from .linear import linear_report
 
-    sched, profiles = llm.scheduler, []
+    sched = llm.scheduler
+    profiles: list[dict[str, Any]] = []
     drafter, sched.drafter = sched.drafter, None
     step_ms(llm, prompts, steps, profiles)
     sched.drafter = drafter
