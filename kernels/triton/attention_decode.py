@@ -1,4 +1,6 @@
-"""Paged decode attention in Triton: one query token per request, split-K (flash decoding).
+"""Paged decode attention in Triton: one query token per request, split-K (flash decoding); or the
+``queries`` consecutive query tokens a TARGET_VERIFY step gives each request (its last token and its
+drafts, causal among themselves), all attended in the same program, so each key is read once.
 
 Request b's keys are the KV slots ``req_to_token[req_pool_indices[b], 0:seq_lens[b]]`` (token-level
 indirection, so any page size works). Stage 1 runs one program per (request, kv head, split): it
@@ -9,7 +11,8 @@ device counter after its slice is written (an acq_rel atomic after a CTA barrier
 visible before the count), and the one that sees the others all in reads the slices back past L1,
 merges them, writes the output and resets the counter to 0 for the next launch: no separate merge
 kernel per layer, whose launch and dependency wait would dominate its cost at batch 1.
-With one split, stage 1 writes the output directly.
+With one split, stage 1 writes the output directly. With several queries a request, a program's rows
+are (query, head) pairs and each row masks the keys past its own position.
 
 Loop bounds come from ``seq_lens`` in device memory and the grid only from the batch size and head
 counts, so one launch is valid for any lengths: no host sync, no plan step, CUDA-graph safe (a graph
@@ -35,10 +38,10 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr,  # q [B, Hq, D]; k/v cache [num_slots, Hkv, D]
+    q_ptr, k_ptr, v_ptr,  # q [B * QUERIES, Hq, D]; k/v cache [num_slots, Hkv, D]
     table_ptr,  # req_to_token [max_reqs, max_context] int64: the KV slot of each position
     req_pool_ptr, seq_lens_ptr,  # [B]
-    mid_o_ptr, mid_lse_ptr, out_ptr,  # [B, Hq, S, D] fp32, [B, Hq, S] fp32; out [B, Hq, D]
+    mid_o_ptr, mid_lse_ptr, out_ptr,  # [B * QUERIES, Hq, S, D] fp32, [B * QUERIES, Hq, S] fp32; out like q
     counter_ptr,  # [B, Hkv] int32, zero between launches: slices finished per (request, kv head)
     # with ROTARY: q is not rotated yet; this step's k/v [B, Hkv, D] (k not rotated), positions [B],
     # cos_sin [max_pos, D] = [cos | sin] (fp32) and the KV slots [B] they are stored at
@@ -49,7 +52,7 @@ def _decode_split_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, USE_PDL: tl.constexpr, QUERIES: tl.constexpr,
 ):
     if ROTARY:
         pdl_release(USE_PDL)  # waits below, after loading its first block of older keys
@@ -62,19 +65,28 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     newest = seq_len - 1  # with ROTARY this step's key, not in the cache yet
 
-    # keys [kv_start, seq_len) are visible; this program takes one BLOCK_N-aligned slice of them
+    # keys [kv_start, seq_len) are visible (to the request's first query, from kv_start); this
+    # program takes one BLOCK_N-aligned slice of them
     kv_start = 0
     if window > 0:
-        kv_start = tl.maximum(seq_len - window, 0)
+        kv_start = tl.maximum(seq_len - (QUERIES - 1) - window, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < GROUP
+    mask_h = offs_h < GROUP * QUERIES
     mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h  # query heads sharing this kv head
+    if QUERIES == 1:
+        heads = kv_head * GROUP + offs_h  # query heads sharing this kv head
+        tok = b.to(tl.int64)  # the query token (of every row)
+        tok_rows = tok
+    else:  # row i: head i % GROUP of the group, query i // GROUP, which sees keys below its limit
+        heads = kv_head * GROUP + offs_h % GROUP
+        tok = b.to(tl.int64) * QUERIES + offs_h // GROUP  # [BLOCK_H]
+        tok_rows = tok[:, None]
+        limit = seq_len - (QUERIES - 1) + offs_h // GROUP
     row = table_ptr + req * table_stride
     first = lo
     if ROTARY:
@@ -88,7 +100,7 @@ def _decode_split_kernel(
                                 stride_kt, stride_kh, stride_vt, stride_vh)
         pdl_wait(USE_PDL)
         first = lo + BLOCK_N
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_rows = q_ptr + tok_rows * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -120,7 +132,8 @@ def _decode_split_kernel(
             l_i = tl.full([BLOCK_H], 1.0, dtype=tl.float32)
             acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32) + v_new.to(tl.float32)[None, :]
         if lo < hi:  # the prefetched block (if it holds only this step's key, m_i is finite already)
-            m_i, l_i, acc = _attend_block(q, k0, v0, mask_n0, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+            m_i, l_i, acc = _attend_block(q, k0, v0, mask_n0[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION,
+                                          False)
     for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -128,26 +141,31 @@ def _decode_split_kernel(
             mask_n = mask_n & (offs_n != newest)  # attended above, from registers
         k, v = _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
                               stride_kt, stride_kh, stride_vt, stride_vh)
-        # finite: every block has a visible key, or m_i is finite already
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+        if QUERIES == 1:  # finite: every block has a visible key, or m_i is finite already
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, scale_log2, DOT_PRECISION, False)
+        else:  # a row may see none of a block (the last drafts' keys, or before its window)
+            seen = mask_n[None, :] & (offs_n[None, :] < limit[:, None])
+            if window > 0:
+                seen = seen & (offs_n[None, :] >= limit[:, None] - window)
+            m_i, l_i, acc = _attend_block(q, k, v, seen, m_i, l_i, acc, scale_log2, DOT_PRECISION, True)
 
     has_keys = l_i > 0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:  # the whole answer: no merge
-        tl.store(out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
+        tl.store(out_ptr + tok_rows * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
         return
     # an empty slice (short sequence, many splits) writes o = 0 and lse = -inf: the merge weighs it 0
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     head_mask = mask_h[:, None] & mask_d[None, :]
-    o_base = mid_o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    lse_base = mid_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh
+    o_base = mid_o_ptr + tok_rows * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    lse_base = mid_lse_ptr + tok * stride_lb + heads * stride_lh
     tl.store(o_base + split * stride_os, o, mask=head_mask)
     tl.store(lse_base + split, lse, mask=mask_h)
     tl.debug_barrier()  # every thread's stores precede the count (the atomic releases them at gpu scope)
     counter = counter_ptr + b * tl.num_programs(1) + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        _merge_slices(o_base, lse_base, out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh
+        _merge_slices(o_base, lse_base, out_ptr + tok_rows * stride_outb + heads[:, None] * stride_outh
                       + offs_d[None, :], stride_os, mask_h, head_mask, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S)
         tl.store(counter, 0)
 
@@ -172,15 +190,20 @@ def _load_kv_block(row, k_ptr, v_ptr, offs_n, mask_n, kv_head, offs_d, mask_d,
 
 
 @triton.jit
-def _attend_block(q, k, v, mask_n, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One block of keys into the online softmax: (m_i, l_i, acc) updated."""
+def _attend_block(q, k, v, seen, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One block of keys into the online softmax: (m_i, l_i, acc) updated. ``seen``: which keys each
+    row attends ([1, BLOCK_N] or [BLOCK_H, BLOCK_N]); ``MAY_BE_EMPTY``: a row may have seen no key yet
+    and none in this block (it then stays empty: no NaN from -inf - -inf)."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-    s = tl.where(mask_n[None, :], s, float("-inf"))
+    s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # m_i is -inf too: alpha and p are 0
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -267,9 +290,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, num_kv_splits: int | None = None,
                      counters: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
-                     tiles: DecodeTiles | None = None) -> torch.Tensor:
+                     tiles: DecodeTiles | None = None, queries: int = 1) -> torch.Tensor:
     """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64 (rows
     contiguous), req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
+
+    ``queries``: q is [B * queries, Hq, D], request b's ``queries`` consecutive query tokens at the
+    last positions of its ``seq_lens[b]`` (a TARGET_VERIFY step's), each seeing the keys up to its
+    own position (their keys must be in the cache: no ``rotary``); the output is shaped like q.
 
     ``counters``: int32 zeros, at least B * Hkv of them, that the kernel leaves at zero (keep one
     buffer across calls and in CUDA graphs); None: allocated here.
@@ -277,8 +304,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     does what ``apply_rotary_and_store_kv`` would have done first (same numbers), in the same launch.
     ``tiles``: the launch shape (None: ``default_decode_tiles``).
     A query sees keys at positions > seq_len - 1 - sliding_window (all of them without a window)."""
-    batch, num_heads, head_dim = q.shape
+    tokens, num_heads, head_dim = q.shape
+    batch = tokens // queries  # requests
     num_kv_heads = k_cache.shape[1]
+    if queries < 1 or tokens % queries or req_pool_indices.shape[0] != batch or (queries > 1 and rotary is not None):
+        raise ValueError(f"{tokens} query rows are not {queries} a request for {req_pool_indices.shape[0]} "
+                         "requests (several a request: no rotary)")
     if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
     if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
@@ -298,7 +329,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))
     r = rotary if rotary is not None else DecodeRotary(q[:, :1], q[:, :1], seq_lens, q.new_zeros(1, 1, dtype=torch.float32),
                                                        seq_lens)  # never read without ROTARY
-    num_mid = batch if splits > 1 else 1  # one split writes ``out`` directly
+    num_mid = tokens if splits > 1 else 1  # one split writes ``out`` directly
     mid_o = torch.empty(num_mid, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(num_mid, num_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
@@ -308,10 +339,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         req_to_token.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_H=max(16, triton.next_power_of_2(group * queries)),
         BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(splits),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROTARY=rotary is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROTARY=rotary is not None, QUERIES=queries,
         num_warps=tiles.num_warps or (4 if head_dim <= 128 else 8),
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}), **pdl_args(q.device),
     )

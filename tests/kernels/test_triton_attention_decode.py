@@ -96,6 +96,38 @@ def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     assert (out.double() - ref.double()).abs().max() < tol
 
 
+def check_verify_queries(queries: int, num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                         window: int | None, device: str, dtype: torch.dtype, tol: float) -> None:
+    """Several query tokens a request (a verify step's last token and drafts, ``queries``): each row
+    against dense causal attention over its request's keys up to its own position."""
+    g = torch.Generator().manual_seed(queries * 7 + head_dim + (num_kv_splits or 0))
+    seq = [queries, queries + 1, 40, 150, 67]  # sequence lengths with this step's tokens
+    num_slots = sum(seq) + 1
+    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    req_to_token = torch.zeros(len(seq) + 2, 160, dtype=torch.int64)
+    used = 0
+    for r, s in enumerate(seq):  # request r in pool row r + 2
+        req_to_token[r + 2, :s] = torch.tensor(slots[used : used + s])
+        used += s
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
+    q = torch.randn(len(seq) * queries, num_heads, head_dim, generator=g)
+    scale = 1 / math.sqrt(head_dim)
+    out = decode_attention(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
+                           req_to_token.to(device), torch.arange(2, len(seq) + 2, device=device),
+                           torch.tensor(seq, device=device), scale, window, num_kv_splits, queries=queries).cpu()
+    group = num_heads // num_kv_heads
+    for r, s in enumerate(seq):
+        for j in range(queries):
+            end = s - queries + j + 1  # keys [0, end) are at or before this query's position
+            idx = req_to_token[r + 2, max(0, end - window) if window else 0 : end]
+            kk = k_cache[idx].double().repeat_interleave(group, dim=1)  # [S, Hq, D]
+            vv = v_cache[idx].double().repeat_interleave(group, dim=1)
+            p = (torch.einsum("hd,shd->hs", q[r * queries + j].double(), kk) * scale).softmax(-1)
+            ref = torch.einsum("hs,shd->hd", p, vv)
+            assert (out[r * queries + j].double() - ref).abs().max() < tol, (r, j)
+
+
 # ---- CPU: Triton's interpreter ----
 
 
@@ -123,6 +155,25 @@ def test_decode_kernel_launch_shapes(tiles: DecodeTiles, num_kv_splits: int, win
     """Other keys-per-step blocks (one block per request up to many) give the same attention."""
     check_decode_splits(num_kv_splits, 8, 2, 64, window, "cpu", torch.float32, 1e-4, tiles)
     check_decode_rotary(num_kv_splits, 8, 2, 64, window, "cpu", torch.float32, 1e-5, tiles)
+
+
+@pytest.mark.parametrize(("queries", "num_kv_splits", "num_heads", "num_kv_heads", "window"), [
+    (5, 1, 8, 2, None), (5, 6, 8, 2, None), (2, 3, 6, 2, 20), (4, 32, 4, 4, None), (9, 4, 8, 2, 30),
+])
+def test_verify_queries_attend_causally(queries: int, num_kv_splits: int, num_heads: int, num_kv_heads: int,
+                                        window: int | None) -> None:
+    """32 splits leave the first queries of short requests slices with no key of theirs."""
+    check_verify_queries(queries, num_kv_splits, num_heads, num_kv_heads, 32, window, "cpu", torch.float32, 1e-4)
+
+
+def test_verify_queries_must_divide_the_rows() -> None:
+    q, cache = torch.zeros(6, 4, 16), torch.zeros(3, 2, 16)
+    table, lens = torch.zeros(2, 8, dtype=torch.int64), torch.full((2,), 3)
+    with pytest.raises(ValueError, match="not 4 a request"):
+        decode_attention(q, cache, cache, table, torch.zeros(2, dtype=torch.int64), lens, 0.25, queries=4)
+    with pytest.raises(ValueError, match="no rotary"):
+        decode_attention(q, cache, cache, table, torch.zeros(2, dtype=torch.int64), lens, 0.25, queries=3,
+                         rotary=DecodeRotary(q[:, :2], q[:, :2], lens, torch.zeros(4, 16), lens))
 
 
 def test_decode_tiles_must_be_valid() -> None:
@@ -197,6 +248,16 @@ def test_decode_kernel_launch_shapes_gpu(tiles: DecodeTiles) -> None:
     check_decode_splits(1, 32, 8, 128, None, "cuda", torch.bfloat16, 3e-2, tiles)
     check_decode_splits(4, 32, 8, 128, 20, "cuda", torch.bfloat16, 3e-2, tiles)
     check_decode_rotary(1, 32, 8, 128, None, "cuda", torch.bfloat16, 2e-2, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("queries", "num_kv_splits", "num_heads", "num_kv_heads", "head_dim", "window"), [
+    (5, None, 32, 8, 128, None), (2, None, 32, 8, 128, None), (9, 12, 32, 8, 128, 30), (5, 1, 28, 4, 128, None),
+    (5, 4, 16, 16, 256, None),
+])
+def test_verify_queries_attend_causally_gpu(queries: int, num_kv_splits: int | None, num_heads: int, num_kv_heads: int,
+                                            head_dim: int, window: int | None) -> None:
+    check_verify_queries(queries, num_kv_splits, num_heads, num_kv_heads, head_dim, window, "cuda", torch.bfloat16, 3e-2)
 
 
 @pytest.mark.gpu
