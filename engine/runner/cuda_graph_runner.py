@@ -5,8 +5,7 @@ reserved), replayed, and sliced back.
 One runner serves one mode with a fixed number ``q`` of query tokens a request: DECODE (q = 1, IDLE
 replays its buckets too) or TARGET_VERIFY (q = k + 1: a request's last token and its k drafts).
 A graph reads its step inputs from one static int64 buffer, laid out per bucket as consecutive runs:
-token ids, positions and KV slots (``q * bs`` each), request rows, sequence lengths and prefix
-lengths (``bs`` each); ``upload`` fills a bucket's runs, padding included, with one host-to-device
+token ids, positions and KV slots (``q * bs`` each), request rows and sequence lengths (``bs`` each); ``upload`` fills a bucket's runs, padding included, with one host-to-device
 copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0 over request row 0.
 """
 
@@ -29,7 +28,7 @@ from ...kernels.attention.base import AttentionBackend, GraphInputs
 logger = logging.getLogger(__name__)
 
 # per bucket, the static runs in order (the first three a token each, the rest a request each)
-STATIC_RUNS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
+STATIC_RUNS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
 TOKEN_RUNS = 3
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -42,7 +41,6 @@ class StepRows(NamedTuple):
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
 
 
 class CudaGraphRunner:
@@ -58,7 +56,7 @@ class CudaGraphRunner:
         self.model, self.attn, self._slot_table = model, attn, slot_table
         self.mode, self.q = mode, tokens_per_row
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_bs] or [max_bs]
-        self._pad = (0, 0, 0, 0, self.q, 0)  # per run: a padded request's value
+        self._pad = (0, 0, 0, 0, self.q)  # per run: a padded request's value
         self._static = torch.zeros(self._run_offsets(self.buckets[-1])[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.hits: dict[str, int] = defaultdict(int)
@@ -88,7 +86,7 @@ class CudaGraphRunner:
             for run, pad in zip(rows, self._pad):
                 run.fill_(pad)
             self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens,
-                                                   self._slot_table, rows.prefix_lens, self.q))
+                                                   self._slot_table, self.q))
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(rows)
             torch.cuda.synchronize()
@@ -117,18 +115,17 @@ class CudaGraphRunner:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
     def upload(self, mode: ForwardMode, bucket: int, host: Sequence[np.ndarray]) -> StepRows:
-        """Write a step's rows (``host``: its arrays in ``STATIC_RUNS`` order but the prefix lengths,
-        which follow from the sequence lengths: [q * n] token ids, positions and KV slots, [n] request
-        rows and sequence lengths) into ``bucket``'s runs, padded, with one asynchronous copy; views
+        """Write a step's rows (``host``: its arrays in ``STATIC_RUNS`` order: [q * n] token ids,
+        positions and KV slots, [n] request rows and sequence lengths) into ``bucket``'s runs, padded, with one asynchronous copy; views
         of the n real requests' rows."""
         n = len(host[3])
-        lengths = [self.q * n] * TOKEN_RUNS + [n] * (len(STATIC_RUNS) - TOKEN_RUNS - 1)
+        lengths = [self.q * n] * TOKEN_RUNS + [n] * (len(STATIC_RUNS) - TOKEN_RUNS)
         if [len(a) for a in host] != lengths or n > bucket:
             raise ValueError(f"a {self.mode.name} graph step takes {self.q} queries a request, at most {bucket} "
                              f"requests (got runs of {[len(a) for a in host]})")
         at = self._run_offsets(bucket)
         packed = np.empty(at[-1], dtype=np.int64)
-        for k, (a, pad) in enumerate(zip([*host, host[4] - self.q], self._pad)):
+        for k, (a, pad) in enumerate(zip(host, self._pad)):
             used = at[k] + len(a)
             packed[at[k] : used] = a
             packed[used : at[k + 1]] = pad

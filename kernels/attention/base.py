@@ -37,6 +37,17 @@ class AttentionInputs:
         return all(e == 1 for e in self.extend_lens_cpu)
 
     @property
+    def uniform_queries(self) -> int:
+        """The query tokens every request brings, where a decode kernel can take the step: 1 for a
+        decode, k + 1 for a TARGET_VERIFY step in which each request has k drafts; 0 for other steps."""
+        lens = self.extend_lens_cpu
+        if self.one_token_per_row:
+            return 1
+        if self.forward_mode == ForwardMode.TARGET_VERIFY and lens and all(e == lens[0] for e in lens):
+            return lens[0]
+        return 0
+
+    @property
     def seq_lens_cpu(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
 
@@ -52,7 +63,6 @@ class GraphInputs:
     req_pool_indices: torch.Tensor  # [bs]
     seq_lens: torch.Tensor  # [bs]
     req_to_token: torch.Tensor  # [max_reqs, max_context]: the engine's slot table (allocated once)
-    prefix_lens: torch.Tensor | None = None  # [bs]: seq_lens - tokens_per_row (what a verify graph reads)
     tokens_per_row: int = 1
 
 

@@ -1,9 +1,10 @@
-"""FlashInfer for EXTEND, MIXED, TARGET_VERIFY and large DECODE batches, the project's Triton split-K kernel for
-DECODE batches of up to ``TRITON_DECODE_MAX_ROWS`` rows (eager and in CUDA graphs, chosen per
-graph bucket), over the one paged KV cache.
+"""FlashInfer for EXTEND, MIXED and large batches, the project's Triton split-K kernel for DECODE and
+TARGET_VERIFY steps (k drafts every request) of up to ``TRITON_DECODE_MAX_ROWS`` query rows (eager and
+in CUDA graphs, chosen per graph bucket), over the one paged KV cache.
 
 The Triton kernel decodes faster than FlashInfer's (tensor-core) decode kernel up to that batch size
-(``modeserve bench attention``); FlashInfer's prefill kernels, near the matmul rate, stay for extends."""
+(``modeserve bench attention``), and a verify step through it needs no plan on the host (its lengths
+are read on the device); FlashInfer's prefill kernels, near the matmul rate, stay for extends."""
 
 from __future__ import annotations
 
@@ -37,16 +38,17 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         return self._triton if rows <= TRITON_DECODE_MAX_ROWS else self._flashinfer
 
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
-        rows = len(inputs.extend_lens_cpu)
-        self._active = self._for_decode(rows) if inputs.one_token_per_row else self._flashinfer
+        queries = inputs.uniform_queries
+        rows = len(inputs.extend_lens_cpu) * queries
+        self._active = self._for_decode(rows) if queries else self._flashinfer
         self._active.init_forward_metadata(inputs)
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        self._active = self._for_decode(bs) if static.tokens_per_row == 1 else self._flashinfer  # verify: FlashInfer
+        self._active = self._for_decode(bs * static.tokens_per_row)
         self._active.init_capture(bs, static)
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
-        self._active = self._for_decode(bs) if inputs.one_token_per_row else self._flashinfer
+        self._active = self._for_decode(bs * (inputs.extend_lens_cpu[0] if inputs.extend_lens_cpu else 1))
         self._active.init_replay(inputs, bs)
 
     def kv_destination(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

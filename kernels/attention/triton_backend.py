@@ -1,11 +1,13 @@
 """The project's own Triton attention over the paged KV cache (CUDA; Triton's interpreter in tests).
 
-DECODE (every ``extend_len`` 1) runs the split-K decode kernel, EXTEND and MIXED the extend kernel
-(decode rows of a MIXED batch are rows with one query). Both read KV slots through ``req_to_token``
+DECODE (every ``extend_len`` 1) runs the split-K decode kernel, and so does TARGET_VERIFY when every
+request brings the same number of queries (its last token and k drafts: the kernel's several-query
+form, each key read once a request); EXTEND, MIXED and uneven verify steps the extend kernel (decode
+rows of a MIXED batch are rows with one query). Both read KV slots through ``req_to_token``
 at token granularity, so any page size works, and both take their loop bounds from device memory:
 ``init_forward_metadata`` only copies a few [B] host lists to the device, with no sync and no plan.
 
-CUDA graphs (decode, and TARGET_VERIFY's k + 1 queries a request through the extend kernel): the
+CUDA graphs (decode, and TARGET_VERIFY's k + 1 queries a request through the decode kernel): the
 graph reads the rows from the runner's static buffers (``GraphInputs``, filled before each replay)
 and the engine's slot table, whose address it keeps.
 """
@@ -26,6 +28,7 @@ class _DecodeMeta:
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
     req_pool_indices: torch.Tensor  # [B] (device)
     seq_lens: torch.Tensor  # [B] (device)
+    queries: int = 1  # query tokens a request (a verify step's k + 1)
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class _ExtendMeta:
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
     req_pool_indices: torch.Tensor  # [B] (device)
     qo_start: torch.Tensor  # [B] int32 (device): first query row of each request
-    prefix_lens: torch.Tensor  # [B] int32 (device; a verify graph's are int64)
+    prefix_lens: torch.Tensor  # [B] int32 (device)
     extend_lens: torch.Tensor  # [B] int32 (device)
     max_extend_len: int
 
@@ -65,9 +68,10 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
-        if inputs.one_token_per_row:
+        queries = inputs.uniform_queries
+        if queries:
             self._reserve_counters(len(extend_lens))
-            self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens)
+            self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, queries)
             return
         qo_start = [0] * len(extend_lens)
         for i in range(1, len(extend_lens)):
@@ -84,16 +88,8 @@ class TritonAttentionBackend(AttentionBackend):
         """Decode (or verify) over ``static``'s rows and slot table (during capture: padding rows, slot
         table row 0). A verify graph's query starts and lengths are fixed: ``tokens_per_row`` each."""
         q = static.tokens_per_row
-        meta: _DecodeMeta | _ExtendMeta
-        if q == 1:
-            self._reserve_counters(bs)
-            meta = _DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens)
-        else:
-            if static.prefix_lens is None:
-                raise ValueError("a verify graph reads its prefix lengths from the static buffers")
-            starts = torch.arange(0, q * bs, q, dtype=torch.int32, device=self._device)
-            meta = _ExtendMeta(static.req_to_token, static.req_pool_indices, starts, static.prefix_lens,
-                               torch.full((bs,), q, dtype=torch.int32, device=self._device), q)
+        self._reserve_counters(bs)
+        meta = _DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens, q)
         self._graph_rows[bs, q] = (meta, static.out_cache_loc)
         self._meta, self._out_cache_loc = meta, static.out_cache_loc
 
@@ -107,15 +103,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_decode_rotary(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                               cos_sin: torch.Tensor, layer_id: int) -> torch.Tensor | None:
-        if not isinstance(self._meta, _DecodeMeta):
-            return None
+        if not isinstance(self._meta, _DecodeMeta) or self._meta.queries > 1:
+            return None  # a verify step's queries read each other's keys: stored first
         return self._decode(q, layer_id, self._meta, DecodeRotary(k, v, positions, cos_sin, self._out_cache_loc))
 
     def _decode(self, q: torch.Tensor, layer_id: int, meta: _DecodeMeta,
                 rotary: DecodeRotary | None = None) -> torch.Tensor:
         return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
                                 meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
-                                self._num_kv_splits, self._counters, rotary, self._decode_tiles)
+                                self._num_kv_splits, self._counters, rotary, self._decode_tiles, meta.queries)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

@@ -22,6 +22,8 @@ def make_case(kind: str, page_size: int, device: str, dtype: torch.dtype, seed: 
         prefix, ext = [5, 17, 33, 64, 1], [1, 1, 1, 1, 1]
     elif kind == "prefill":  # no cached prefix in any row
         prefix, ext = [0, 0, 0], [9, 20, 33]
+    elif kind == "verify":  # a TARGET_VERIFY step: each request's last token and 4 drafts
+        prefix, ext = [4, 16, 33, 60, 0], [5, 5, 5, 5, 5]
     elif kind == "extend":
         prefix, ext = [0, 16, 7, 32], [9, 5, 20, 1]
     else:  # mixed: prefill chunks and decodes
@@ -43,7 +45,7 @@ def make_case(kind: str, page_size: int, device: str, dtype: torch.dtype, seed: 
     k_hist = torch.randn(num_pages * page_size, HKV, D, generator=g)
     v_hist = torch.randn(num_pages * page_size, HKV, D, generator=g)
     return dict(
-        prefix=prefix, ext=ext, seq=seq, req_to_token=req_to_token.to(device), out_loc=torch.cat(out_loc).to(device),
+        mode=ForwardMode.TARGET_VERIFY if kind == "verify" else None, prefix=prefix, ext=ext, seq=seq, req_to_token=req_to_token.to(device), out_loc=torch.cat(out_loc).to(device),
         num_slots=num_pages * page_size, k_hist=k_hist.to(device, dtype), v_hist=v_hist.to(device, dtype),
         q=torch.randn(t, HQ, D, generator=g).to(device, dtype), k=torch.randn(t, HKV, D, generator=g).to(device, dtype),
         v=torch.randn(t, HKV, D, generator=g).to(device, dtype),
@@ -64,7 +66,7 @@ def run_backend(name: str, case: dict, page_size: int, device: str, dtype: torch
         backend = create_attention_backend(name, torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
                                            scale=1 / math.sqrt(D), sliding_window=window)
     ext = case["ext"]
-    mode = ForwardMode.DECODE if all(e == 1 for e in ext) else ForwardMode.MIXED
+    mode = ForwardMode.DECODE if all(e == 1 for e in ext) else case.get("mode") or ForwardMode.MIXED
     backend.init_forward_metadata(AttentionInputs(
         forward_mode=mode, req_pool_indices=torch.arange(len(ext), device=device), prefix_lens_cpu=case["prefix"],
         extend_lens_cpu=ext, seq_lens=torch.tensor(case["seq"], device=device), out_cache_loc=case["out_loc"],
@@ -98,7 +100,7 @@ def dense_reference(case: dict, window: int | None) -> torch.Tensor:
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed", "verify"])
 def test_torch_reference_equals_dense_attention(kind: str, page_size: int, window: int | None) -> None:
     case = make_case(kind, page_size, "cpu", torch.float32)
     out = run_backend("torch", case, page_size, "cpu", torch.float32, window)
@@ -108,7 +110,7 @@ def test_torch_reference_equals_dense_attention(kind: str, page_size: int, windo
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "extend", "mixed", "verify"])
 @pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-triton"])
 def test_flashinfer_equals_torch_reference(backend: str, kind: str, page_size: int, window: int | None) -> None:
     pytest.importorskip("flashinfer")
@@ -182,8 +184,9 @@ class _Recorder(AttentionBackend):
 
 
 def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
-    """Extends and MIXED go to FlashInfer, decodes of up to TRITON_DECODE_MAX_ROWS rows to Triton
-    (graph buckets too), bigger decodes to FlashInfer; the chosen backend computes the answer."""
+    """Extends and MIXED go to FlashInfer, decodes and verify steps of k drafts a request of up to
+    TRITON_DECODE_MAX_ROWS query rows to Triton (graph buckets too), bigger ones and uneven verify
+    steps to FlashInfer; the chosen backend computes the answer."""
     from modeserve.kernels.attention.flashinfer_triton_backend import (
         TRITON_DECODE_MAX_ROWS,
         FlashInferTritonAttentionBackend,
@@ -211,11 +214,15 @@ def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
         expected = "flashinfer" if kind == "mixed" else "triton"
         assert calls[-2:] == [(expected, "plan", len(ext)), (expected, "forward", case["q"].shape[0])]
     loc = torch.zeros(3 * (TRITON_DECODE_MAX_ROWS + 1), dtype=torch.int64)
-    for q in (1, 3):  # decode graphs by batch size; a verify graph's k + 1 queries a request: FlashInfer's prefill
+    for q in (1, 3):  # decode and verify graphs (k + 1 queries a request) by their query rows
         for bs in (1, 256, TRITON_DECODE_MAX_ROWS, TRITON_DECODE_MAX_ROWS + 1):
-            hybrid.init_capture(bs, GraphInputs(loc[: q * bs], loc[:bs], loc[:bs], case["req_to_token"], loc[:bs], q))
+            hybrid.init_capture(bs, GraphInputs(loc[: q * bs], loc[:bs], loc[:bs], case["req_to_token"], q))
             mode = ForwardMode.DECODE if q == 1 else ForwardMode.TARGET_VERIFY
             hybrid.init_replay(AttentionInputs(mode, loc[:bs], [0] * bs, [q] * bs, loc[:bs], loc[: q * bs],
                                                case["req_to_token"], torch.float32), bs)
-            name = "triton" if bs <= TRITON_DECODE_MAX_ROWS and q == 1 else "flashinfer"
+            name = "triton" if bs * q <= TRITON_DECODE_MAX_ROWS else "flashinfer"
             assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]
+    for ext, name in (([3, 3], "triton"), ([3, 2], "flashinfer")):  # eager verify steps: k drafts each, or not
+        hybrid.init_forward_metadata(AttentionInputs(ForwardMode.TARGET_VERIFY, loc[:2], [5, 5], ext, loc[:2],
+                                                     loc[: sum(ext)], case["req_to_token"], torch.float32))
+        assert calls[-1] == (name, "plan", 2)

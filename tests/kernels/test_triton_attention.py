@@ -35,7 +35,7 @@ from tests.kernels.test_attention_backends import (
     run_backend,
 )
 
-KINDS = ["decode", "extend", "mixed"]
+KINDS = ["decode", "extend", "mixed", "verify"]
 WINDOWS = [None, 6, 40]
 
 
@@ -144,6 +144,33 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
         assert (out[:n].double() - dense[rows]).abs().max() < tol
 
 
+def check_verify_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: int | None, tol: float) -> None:
+    """A TARGET_VERIFY graph's hooks (5 queries a request, 4 requests padded to a bucket of 6): the
+    real rows, read from the static buffers only, match dense causal attention."""
+    case = make_case("verify", page_size, device, dtype)
+    cache = make_cache(case, page_size, device, dtype)
+    backend = create_attention_backend("triton", torch.device(device), dtype, kv_cache=cache, num_heads=HQ,
+                                       scale=1 / math.sqrt(D), sliding_window=window)
+    bs, q, rows = 6, 5, [3, 0, 4, 1]
+    n, table = len(rows), case["req_to_token"]
+    z = torch.zeros(q * bs, dtype=torch.int64, device=device)
+    static = GraphInputs(z.clone(), z[:bs].clone(), torch.full((bs,), q, device=device), table, q)
+    static_q = [torch.zeros(q * bs, h, D, dtype=dtype, device=device) for h in (HQ, HKV, HKV)]
+    backend.init_capture(bs, static)
+    assert torch.isfinite(backend.forward(*static_q, 0)).all()  # warm-up: padding rows
+    tokens = torch.tensor([r * q + j for r in rows for j in range(q)], device=device)
+    static.req_pool_indices[:n] = torch.tensor(rows, device=device)
+    static.seq_lens[:n] = torch.tensor([case["seq"][r] for r in rows], device=device)
+    static.out_cache_loc[: q * n] = case["out_loc"][tokens]
+    for buf, real in zip(static_q, (case["q"], case["k"], case["v"])):
+        buf[: q * n] = real[tokens]
+    backend.init_replay(AttentionInputs(ForwardMode.TARGET_VERIFY, static.req_pool_indices[:n],
+                                        [case["prefix"][r] for r in rows], [q] * n, static.seq_lens[:n],
+                                        static.out_cache_loc[: q * n], table, dtype), bs)
+    out = backend.forward(*static_q, 0)
+    assert (out[: q * n].double() - dense_reference(case, window)[tokens]).abs().max() < tol
+
+
 # ---- CPU: Triton's interpreter ----
 
 
@@ -165,6 +192,12 @@ def test_triton_long_extend_over_prefix(page_size: int, window: int | None) -> N
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_graph_capture_and_replay_with_padding(page_size: int, window: int | None) -> None:
     check_graph_replay(page_size, "cpu", torch.float32, window, 1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_verify_graph_hooks(page_size: int, window: int | None) -> None:
+    check_verify_graph_replay(page_size, "cpu", torch.float32, window, 1e-4)
 
 
 def test_resolve_triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,6 +247,7 @@ def test_triton_long_extend_over_prefix_gpu(page_size: int, window: int | None) 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_graph_hooks_gpu(page_size: int, window: int | None) -> None:
     check_graph_replay(page_size, "cuda", torch.bfloat16, window, 3e-2)
+    check_verify_graph_replay(page_size, "cuda", torch.bfloat16, window, 3e-2)
 
 
 @pytest.mark.gpu
