@@ -1,5 +1,6 @@
-"""The flags every gRPC server command shares: TLS (``--tls-cert``, ``--tls-key``, ``--tls-ca``) and
-what one client may hold (``--max-streams-per-connection``, ``--no-reflection``)."""
+"""The flags every gRPC server command shares: TLS (``--tls-cert``, ``--tls-key``, ``--tls-ca``), what
+one client may hold (``--max-streams-per-connection``, ``--no-reflection``) and a plaintext health port
+for probes (``--health-port``)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ def add_tls_args(p: argparse.ArgumentParser, ca_help: str | None) -> None:
                         "at the client. Messages are capped at 64 MiB, prompts at --max-context-len tokens")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="serve gRPC server reflection (default on)")
+    p.add_argument("--health-port", type=int, default=None,
+                   help="also serve gRPC health (only) on this port, in plaintext: for probes that speak no TLS "
+                        "(the kubelet's gRPC probe) while the main port is TLS")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(args.max_streams_per_connection, args.reflection)
+    return ServerOptions(args.max_streams_per_connection, args.reflection, args.health_port)
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:

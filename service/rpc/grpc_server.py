@@ -26,14 +26,19 @@ MAX_PENDING_CALLS = 1 << 20
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """What one client may hold open on a server, and whether it describes itself."""
+    """What one client may hold open on a server, whether it describes itself, and where probes ask
+    for its health without TLS."""
 
     max_streams_per_connection: int = 4096  # HTTP/2 MAX_CONCURRENT_STREAMS: a client's streams past it wait
     reflection: bool = True
+    # a second, plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS)
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_streams_per_connection < 1:
             raise ValueError(f"--max-streams-per-connection must be >= 1, got {self.max_streams_per_connection}")
+        if self.health_port is not None and not 0 <= self.health_port < 65536:
+            raise ValueError(f"--health-port must be in [0, 65536), got {self.health_port}")
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -75,6 +80,8 @@ class GrpcServer:
         self.service_names = tuple(service_names)
         self.events = loop
         self.options = options
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self.port = loop.run(self._start(address, register, interceptors, credentials))
 
     async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
@@ -102,8 +109,21 @@ class GrpcServer:
         if port == 0:
             raise ValueError(f"cannot bind gRPC server to {address!r}")
         await self.server.start()
+        if self.options.health_port is not None:
+            await self._start_health(address.rsplit(":", 1)[0], self.options.health_port)
         await self._set_serving(True)
         return port
+
+    async def _start_health(self, host: str, port: int) -> None:
+        """The same health states on a plaintext port of their own, nothing else served there."""
+        self.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            await self.server.stop(0)
+            raise ValueError(f"cannot bind the health port {host}:{port}")
+        await self.health_server.start()
+        self.health_port = bound
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -126,6 +146,8 @@ class GrpcServer:
     async def _stop(self, grace: float) -> None:
         await self._set_serving(False)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def freeze_startup_heap() -> None:

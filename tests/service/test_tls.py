@@ -183,3 +183,53 @@ def test_tls_files_are_checked() -> None:
         TlsFiles(cert="/etc/hostname")
     with pytest.raises(ValueError, match="not a file"):
         TlsFiles(ca="/no/such/ca.pem")
+
+
+def test_health_port_answers_probes_in_plaintext_while_the_server_speaks_tls(tmp_path: Path) -> None:
+    """``--health-port``: the kubelet's gRPC probe speaks no TLS; a TLS server's health states (the same
+    ones, readiness changes included) are also served in plaintext on a port of their own, and nothing
+    else is served there."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from modeserve.service.rpc.grpc_server import EventLoopThread, GrpcServer, ServerOptions
+    from modeserve.service.rpc.tls import ReloadingServerCredentials
+
+    keys = pki(tmp_path, "h")
+    loop = EventLoopThread()
+    health_port = free_port()
+    server = GrpcServer(loop, "127.0.0.1:0", [], ["modeserve.v1.Engine"],
+                        credentials=ReloadingServerCredentials(keys.server, require_client_cert=True).credentials,
+                        options=ServerOptions(health_port=health_port))
+    try:
+        assert server.health_port == health_port
+        Status = health_pb2.HealthCheckResponse
+
+        def check(port: int, service: str) -> int:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=5).status
+
+        assert check(health_port, "") == check(health_port, "modeserve.v1.Engine") == Status.SERVING
+        with pytest.raises(grpc.RpcError):  # the main port: TLS only
+            check(server.port, "")
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:  # only health on the probe port
+                channel.unary_unary("/modeserve.v1.Engine/Describe")(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        loop.run(server.set_not_serving("modeserve.v1.Engine"))  # draining: readiness fails, liveness holds
+        assert check(health_port, "modeserve.v1.Engine") == Status.NOT_SERVING
+        assert check(health_port, "") == Status.SERVING
+    finally:
+        server.shutdown(grace=0)
+        loop.close()
+    with pytest.raises(ValueError, match="health-port"):
+        ServerOptions(health_port=70000)
+
+
+def test_drain_reaches_an_engine_with_mutual_tls(cluster: Cluster) -> None:
+    """The engine pod's preStop ``modeserve drain`` with the pod's certificate: the engine answers
+    (the router's stream is still open, so not drained within a second). Last in this module: the
+    engine drains."""
+    from modeserve.service.cli.drain import drain
+
+    assert drain(cluster.engine_address, 1.0, cluster.pki.client) is False
