@@ -25,6 +25,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--router-timeout", type=float, default=5.0, help="seconds per Admin call to a router")
     p.add_argument("--router-retry-delay", type=float, default=10.0,
                    help="seconds before retrying when a router does not answer")
+    p.add_argument("--tls-ca", default=None, help="PEM CA of the routers' certificates: the Admin calls to routers of "
+                   "EngineSets with spec.tls go over TLS")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate presented to those routers")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--router-service-account", default="",
                    help="routers run as this ServiceAccount (get/list/watch on enginesets) and follow their "
                         "EngineSet's rank table; empty: they learn it from the operator's SetRanks only")
@@ -53,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
     from .kube import Kube
     from .reconcile import EngineSetReconciler
     from .router_client import GrpcAdminClient
+    from ..service.rpc.tls import TlsFiles
 
     if args.operator_log_level:
         logging.getLogger().setLevel(args.operator_log_level.upper())
     config = build_config(args, os.environ)
-    reconciler = EngineSetReconciler(config, Kube.from_environment(), GrpcAdminClient(config.router_timeout))
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_ca or args.tls_cert else None
+    reconciler = EngineSetReconciler(config, Kube.from_environment(), GrpcAdminClient(config.router_timeout, tls))
     kopf.run(registry=create_registry(reconciler), settings=operator_settings(), standalone=True,
              clusterwide=False, namespaces=list(config.namespaces), liveness_endpoint=args.liveness)
     return 0

@@ -147,10 +147,10 @@ class EngineSetReconciler:
         router cannot be told, the plan is made again as if it had not answered (drain by timeout)."""
         meta = es["metadata"]
         name, ns, uid = meta["name"], meta["namespace"], meta["uid"]
-        address = router_address(name, ns)
+        address, tls = router_address(name, ns), spec.tls_secret is not None
         started = self._drains.get(uid, {})
         try:
-            states: RouterStates | None = self.router.get_ranks(address)
+            states: RouterStates | None = self.router.get_ranks(address, tls)
             error = None
         except RouterUnreachable as exc:
             states, error = None, str(exc)
@@ -158,7 +158,7 @@ class EngineSetReconciler:
         if states is not None:
             views = rank_views(pods, spec.replicas, plan.draining, states, name=name, namespace=ns)
             try:
-                states = self.router.set_ranks(address, router_ranks(views, plan.statefulset_replicas))
+                states = self.router.set_ranks(address, router_ranks(views, plan.statefulset_replicas), tls)
             except RouterUnreachable as exc:
                 states, error = None, str(exc)
                 plan = plan_scale(current, spec.replicas, None, started, self.clock(), spec.drain_timeout_seconds)

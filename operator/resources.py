@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from . import secure_serving as sec
 from .spec import EngineSetSpec
 
 ENGINE_PORT = 50061
@@ -96,7 +97,7 @@ def engine_args(spec: EngineSetSpec) -> list[str]:
     """The engine command line after ``modeserve``; $(DP_RANK) is expanded by the kubelet."""
     args = ["engine", "--model", model_path(spec), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
             "--dp-rank", "$(DP_RANK)", "--grace-period", str(max(spec.termination_grace_period_seconds - 10, 1)),
-            "--metrics-port", str(METRICS_PORT)]
+            "--metrics-port", str(METRICS_PORT), *sec.tls_args(spec, sec.ENGINE_HEALTH_PORT)]
     for key, value in sorted(spec.engine.items()):
         flag = "--" + key.replace("_", "-")
         if value.lower() in ("true", "false"):
@@ -110,6 +111,8 @@ def engine_statefulset(es: EngineSet, spec: EngineSetSpec, replicas: int) -> Obj
     """The engines: ``replicas`` pods, rank i = pod i (pod-index label -> DP_RANK)."""
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     volumes, mounts = _model_volume(spec)
+    secret_volumes, secret_mounts = sec.secret_volumes(spec, api_key=False)
+    probe = sec.probe_port(spec, ENGINE_PORT, sec.ENGINE_HEALTH_PORT)
     resources: Obj = {}
     if spec.requests:
         resources["requests"] = dict(spec.requests)
@@ -132,22 +135,24 @@ def engine_statefulset(es: EngineSet, spec: EngineSetSpec, replicas: int) -> Obj
         "env": env,
         "ports": [{"name": "grpc", "containerPort": ENGINE_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
         # gRPC health: readiness per service (NOT_SERVING while draining), liveness on "" (the process)
-        "startupProbe": {"grpc": {"port": ENGINE_PORT, "service": ""}, "periodSeconds": 5, "failureThreshold": 360},
-        "livenessProbe": {"grpc": {"port": ENGINE_PORT, "service": ""}, "periodSeconds": 10, "failureThreshold": 3},
-        "readinessProbe": {"grpc": {"port": ENGINE_PORT, "service": "modeserve.v1.Engine"}, "periodSeconds": 5},
+        "startupProbe": {"grpc": {"port": probe, "service": ""}, "periodSeconds": 5, "failureThreshold": 360},
+        "livenessProbe": {"grpc": {"port": probe, "service": ""}, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {"grpc": {"port": probe, "service": "modeserve.v1.Engine"}, "periodSeconds": 5},
         # drain before SIGTERM: no new streams, running ones finish, inside the grace period
         "lifecycle": {"preStop": {"exec": {"command": [
-            "modeserve", "drain", "--server", f"127.0.0.1:{ENGINE_PORT}",
-            "--timeout", str(max(spec.termination_grace_period_seconds - 15, 1))]}}},
+            "modeserve", "drain", "--server", f"{'localhost' if spec.tls_secret else '127.0.0.1'}:{ENGINE_PORT}",
+            "--timeout", str(max(spec.termination_grace_period_seconds - 15, 1)), *sec.drain_tls_args(spec)]}}},
         "resources": resources,
         "securityContext": _container_security(),
-        "volumeMounts": [*mounts, {"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [*mounts, *secret_mounts, {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "shm", "mountPath": "/dev/shm"}],
     }
     pod_spec: Obj = {
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         "securityContext": _pod_security(),
         "containers": [container],
-        "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [*volumes, *secret_volumes, {"name": "tmp", "emptyDir": {}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory"}}],
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
@@ -195,7 +200,8 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
     name, ns = es["metadata"]["name"], es["metadata"]["namespace"]
     ranks = ["--engineset", name, "--namespace", ns] if service_account else ["--engines", rank_address(name, ns, 0)]
     args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--http-port", str(spec.router_http_port),
-            "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT)]
+            "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT),
+            *sec.tls_args(spec, sec.ROUTER_HEALTH_PORT), *sec.api_key_args(spec)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")
     container: Obj = {
@@ -209,18 +215,21 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
                 *_tracing_env(spec, f"{name}-router")],
         "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "http", "containerPort": spec.router_http_port},
                   {"name": "metrics", "containerPort": METRICS_PORT}],
-        # /health: 200 while a rank is ready and the router is not draining (the same for both APIs)
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"grpc": {"port": ROUTER_PORT, "service": ""}, "periodSeconds": 10,
-                          "initialDelaySeconds": 30, "failureThreshold": 6},
+        # /health: 200 while a rank is ready and the router is not draining (the same for both APIs;
+        # open without the API key; under TLS the kubelet does not verify the certificate)
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http",
+                                       **({"scheme": "HTTPS"} if spec.tls_secret else {})}, "periodSeconds": 5},
+        "livenessProbe": {"grpc": {"port": sec.probe_port(spec, ROUTER_PORT, sec.ROUTER_HEALTH_PORT), "service": ""},
+                          "periodSeconds": 10, "initialDelaySeconds": 30, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     volumes, mounts = _model_volume(spec)  # the router loads the tokenizer from the model folder
-    container["volumeMounts"] += mounts
+    secret_volumes, secret_mounts = sec.secret_volumes(spec, api_key=True)
+    container["volumeMounts"] += [*mounts, *secret_mounts]
     pod_spec: Obj = {"securityContext": _pod_security(), "containers": [container],
-                     "volumes": [*volumes, {"name": "tmp", "emptyDir": {}}]}
+                     "volumes": [*volumes, *secret_volumes, {"name": "tmp", "emptyDir": {}}]}
     if service_account:
         pod_spec = {"serviceAccountName": service_account, **pod_spec}
     return {

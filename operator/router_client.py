@@ -14,6 +14,7 @@ import grpc
 from .ranks import RouterRank
 from .resources import ROUTER_PORT
 from ..proto.v1 import admin_pb2, admin_pb2_grpc
+from ..service.rpc.tls import TlsFiles, open_channel
 
 RouterStates = dict[int, str]
 
@@ -28,9 +29,11 @@ def router_address(name: str, namespace: str) -> str:
 
 
 class AdminClient(Protocol):
-    def get_ranks(self, address: str) -> RouterStates: ...
+    """``tls``: the router serves TLS (its EngineSet's ``spec.tls``)."""
 
-    def set_ranks(self, address: str, ranks: Sequence[RouterRank]) -> RouterStates:
+    def get_ranks(self, address: str, tls: bool = False) -> RouterStates: ...
+
+    def set_ranks(self, address: str, ranks: Sequence[RouterRank], tls: bool = False) -> RouterStates:
         """Replace the router's table with ``ranks``; the router's table afterwards."""
         ...
 
@@ -40,14 +43,18 @@ def _states(reply: admin_pb2.RanksStatus) -> RouterStates:
 
 
 class GrpcAdminClient:
-    """One short-lived channel per call (a reconcile makes two calls every interval)."""
+    """One short-lived channel per call (a reconcile makes two calls every interval); to routers that
+    serve TLS over TLS with ``tls`` (the operator's ``--tls-ca``, and ``--tls-cert`` to present)."""
 
-    def __init__(self, timeout: float = 5.0) -> None:
+    def __init__(self, timeout: float = 5.0, tls: TlsFiles | None = None) -> None:
         self.timeout = timeout
+        self.tls = tls
 
-    def _call(self, address: str, method: str, request: object) -> RouterStates:
+    def _call(self, address: str, tls: bool, method: str, request: object) -> RouterStates:
+        if tls and self.tls is None:
+            raise RouterUnreachable(f"{address}: the router serves TLS and the operator has no --tls-ca")
         try:
-            with grpc.insecure_channel(address) as channel:
+            with open_channel(address, self.tls if tls else None) as channel:
                 stub = admin_pb2_grpc.AdminStub(channel)
                 return _states(getattr(stub, method)(request, timeout=self.timeout))
         except grpc.RpcError as exc:
@@ -55,10 +62,10 @@ class GrpcAdminClient:
             detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             raise RouterUnreachable(f"{address}: {method} failed: {code}: {detail}") from exc
 
-    def get_ranks(self, address: str) -> RouterStates:
-        return self._call(address, "GetRanks", admin_pb2.GetRanksRequest())
+    def get_ranks(self, address: str, tls: bool = False) -> RouterStates:
+        return self._call(address, tls, "GetRanks", admin_pb2.GetRanksRequest())
 
-    def set_ranks(self, address: str, ranks: Sequence[RouterRank]) -> RouterStates:
+    def set_ranks(self, address: str, ranks: Sequence[RouterRank], tls: bool = False) -> RouterStates:
         request = admin_pb2.SetRanksRequest(ranks=[
             admin_pb2.RankSpec(rank=r.rank, address=r.address, draining=r.draining) for r in ranks])
-        return self._call(address, "SetRanks", request)
+        return self._call(address, tls, "SetRanks", request)

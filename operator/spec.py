@@ -51,6 +51,9 @@ class EngineSetSpec:
     termination_grace_period_seconds: int = 120
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
+    tls_secret: str | None = None  # a Secret with tls.crt, tls.key and ca.crt: TLS everywhere, mutual to engines
+    api_key_secret: str | None = None  # a Secret holding the routers' API key ...
+    api_key_secret_key: str = "api-key"  # ... under this key
 
     @property
     def gpus(self) -> int:
@@ -92,6 +95,12 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
     http_port = router.get("httpPort", 8000)
     if not isinstance(http_port, int) or not 1 <= http_port <= 65535:
         problems.append(f"spec.router.httpPort must be a port in [1, 65535], got {http_port!r}")
+    tls = spec.get("tls") or {}
+    if tls.get("enabled") and not tls.get("secretName"):
+        problems.append("spec.tls.enabled needs spec.tls.secretName (a Secret with tls.crt, tls.key and ca.crt)")
+    api_key = router.get("apiKey") or {}
+    if api_key and not api_key.get("secretName"):
+        problems.append("spec.router.apiKey needs secretName (the Secret holding the key)")
     image = str(spec.get("image") or default_image)
     if not image:
         problems.append("spec.image is empty and the operator has no default image")
@@ -115,4 +124,7 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
         termination_grace_period_seconds=int(spec.get("terminationGracePeriodSeconds", 120)),
         node_selector={str(k): str(v) for k, v in (spec.get("nodeSelector") or {}).items()},
         tolerations=list(spec.get("tolerations") or []),
+        tls_secret=str(tls["secretName"]) if tls.get("enabled") else None,
+        api_key_secret=str(api_key["secretName"]) if api_key else None,
+        api_key_secret_key=str(api_key.get("key") or "api-key"),
     )

@@ -18,8 +18,10 @@ from tests.k8s.tools import helm_binary
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "modeserve"
 CRD = CHART / "crds" / "engineset.yaml"
+TLS_ON = ["tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=modeserve-ca",
+          "apiKey.secretName=demo-api-key"]
 ALL_ON = ["sampleEngineSet.enabled=true", "autoscaling.hpa=true", "autoscaling.keda=true",
-          "monitoring.serviceMonitor=true", "operator.watchNamespaces={team-a,team-b}", "serviceAccount.name=ms"]
+          "monitoring.serviceMonitor=true", "operator.watchNamespaces={team-a,team-b}", "serviceAccount.name=ms", *TLS_ON]
 STANDARD_GROUPS = ("v1", "apps/v1", "rbac.authorization.k8s.io/v1", "autoscaling/v2", "apiextensions.k8s.io/v1")
 
 
@@ -65,10 +67,10 @@ def test_rendered_objects_validate_strict(helm: Path, k8s_version: str, sets: li
             kubernetes_validate.validate(obj, k8s_version, strict=True)
         elif obj["kind"] == "EngineSet":
             check_engineset(obj)
-        else:  # KEDA ScaledObject and ServiceMonitor: no official schema offline; check their targets
-            assert obj["kind"] in ("ScaledObject", "ServiceMonitor"), obj["kind"]
+        else:  # KEDA ScaledObject, ServiceMonitor, cert-manager Certificate: no official schema offline
+            assert obj["kind"] in ("ScaledObject", "ServiceMonitor", "Certificate"), obj["kind"]
     if sets:
-        assert {"EngineSet", "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor"} <= kinds
+        assert {"EngineSet", "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor", "Certificate"} <= kinds
         hpa = next(o for o in objs if o["kind"] == "HorizontalPodAutoscaler")
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "modeserve.io/v1alpha1", "kind": "EngineSet",
                                                  "name": "demo"}
@@ -135,6 +137,51 @@ def test_sample_engineset_serves_http_and_notes_show_a_first_curl(helm: Path) ->
                           "sampleEngineSet.enabled=true"], capture_output=True, text=True, check=True).stdout
     notes = out[out.index("NOTES:"):]
     assert "port-forward svc/demo 8000:8000" in notes and "curl localhost:8000/v1/chat/completions" in notes
+
+
+def test_tls_and_api_key_values_flow_into_the_pods(helm: Path) -> None:
+    """With TLS (a cert-manager Certificate) and an API key Secret: the Certificate names what its
+    holders are reached by (the router Service, every engine pod, localhost for the drain hook) and is
+    a client certificate too; the operator mounts it and calls routers over TLS; the sample
+    EngineSet carries both, and the pods the operator makes from it get the flags and volumes."""
+    from modeserve.operator import resources as res
+    from modeserve.operator.router_client import router_address
+    from modeserve.operator.spec import parse_spec
+    from modeserve.service.cli import build_parser
+
+    objs = render(helm, "sampleEngineSet.enabled=true", *TLS_ON)
+    cert = next(o for o in objs if o["kind"] == "Certificate")
+    names = set(cert["spec"]["dnsNames"])
+    assert router_address("demo", "serving").rsplit(":", 1)[0] in names
+    assert "*." + res.rank_address("demo", "serving", 3).split(".", 1)[1].rsplit(":", 1)[0] in names
+    assert "localhost" in names and {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    assert cert["spec"]["issuerRef"]["name"] == "modeserve-ca"
+    secret = cert["spec"]["secretName"]
+    operator = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "tls", "secret": {"secretName": secret}} in operator["volumes"]
+    parsed = build_parser().parse_args(operator["containers"][0]["args"])
+    assert (parsed.tls_ca, parsed.tls_cert, parsed.tls_key) == (
+        "/etc/modeserve/tls/ca.crt", "/etc/modeserve/tls/tls.crt", "/etc/modeserve/tls/tls.key")
+    sample = next(o for o in objs if o["kind"] == "EngineSet")
+    check_engineset(sample)
+    assert sample["spec"]["tls"] == {"enabled": True, "secretName": secret}
+    es = {**sample, "metadata": {**sample["metadata"], "uid": "u"}}
+    spec = parse_spec(sample["spec"], default_image="img")
+    engine = res.engine_statefulset(es, spec, 1)["spec"]["template"]["spec"]
+    router = res.router_deployment(es, spec)["spec"]["template"]["spec"]
+    for pod in (engine, router):
+        assert {"name": "tls", "secret": {"secretName": secret}} in pod["volumes"]
+        assert "--tls-ca" in pod["containers"][0]["args"]
+    router_args = build_parser().parse_args(router["containers"][0]["args"])
+    assert router_args.api_key_file == "/etc/modeserve/api-key/api-key"
+    assert {"name": "api-key", "secret": {"secretName": "demo-api-key", "items": [{"key": "api-key", "path": "api-key"}]}} \
+        in router["volumes"]
+    proc = subprocess.run([str(helm), "template", "rel", str(CHART), "--set", "tls.enabled=true"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "tls.secretName" in proc.stderr
+    own = render(helm, "sampleEngineSet.enabled=true", "tls.enabled=true", "tls.secretName=mine")
+    assert not any(o["kind"] == "Certificate" for o in own)
+    assert next(o for o in own if o["kind"] == "EngineSet")["spec"]["tls"]["secretName"] == "mine"
 
 
 def test_crd_has_scale_subresource_and_printer_columns() -> None:

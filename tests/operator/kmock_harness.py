@@ -124,7 +124,7 @@ class FakeRouter:
         return {r: ("DRAINED" if state == "DRAINING" and r in self.drained else state)
                 for r, (_, state) in self.table.items()}
 
-    def get_ranks(self, address: str) -> RouterStates:
+    def get_ranks(self, address: str, tls: bool = False) -> RouterStates:
         assert address == f"{NAME}.{NS}.svc:50051"
         with self.lock:
             if not self.reachable:
@@ -132,7 +132,7 @@ class FakeRouter:
             self._record("GetRanks")
             return self._states()
 
-    def set_ranks(self, address: str, ranks: Sequence[RouterRank]) -> RouterStates:
+    def set_ranks(self, address: str, ranks: Sequence[RouterRank], tls: bool = False) -> RouterStates:
         with self.lock:
             if not self.reachable:
                 raise RouterUnreachable("connection refused")

@@ -130,3 +130,47 @@ def test_router_http_port_follows_the_spec() -> None:
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == 8080
     with pytest.raises(InvalidSpec, match="httpPort"):
         parse_spec({**ES["spec"], "router": {"httpPort": 0}}, default_image="img")
+
+
+@pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
+def test_tls_and_api_key_flow_into_the_pods(k8s_version: str) -> None:
+    """``spec.tls`` mounts the Secret in engines and routers and turns TLS on in both command lines
+    (mutual to the engines, whose drain hook presents the pod's certificate); probes go to the
+    plaintext health ports; ``spec.router.apiKey`` mounts the key's Secret for ``--api-key-file``.
+    The command lines are ones the real CLI accepts, and the objects validate strictly."""
+    from modeserve.operator import secure_serving as sec
+
+    spec = parse_spec({**ES["spec"], "tls": {"enabled": True, "secretName": "llama-tls"},
+                       "router": {"apiKey": {"secretName": "llama-key", "key": "token"}}}, "img")
+    sts, router = res.engine_statefulset(ES, spec, 2), res.router_deployment(ES, spec)
+    for obj in (sts, router):
+        kubernetes_validate.validate(obj, k8s_version, strict=True)
+    mount = {"name": "tls", "mountPath": "/etc/modeserve/tls", "readOnly": True}
+    engine_pod = sts["spec"]["template"]["spec"]
+    e = engine_pod["containers"][0]
+    assert {"name": "tls", "secret": {"secretName": "llama-tls"}} in engine_pod["volumes"] and mount in e["volumeMounts"]
+    parsed = build_parser().parse_args([a.replace("$(DP_RANK)", "0") for a in e["args"]])
+    assert (parsed.tls_cert, parsed.tls_key, parsed.tls_ca, parsed.health_port) == (
+        "/etc/modeserve/tls/tls.crt", "/etc/modeserve/tls/tls.key", "/etc/modeserve/tls/ca.crt", sec.ENGINE_HEALTH_PORT)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert e[probe]["grpc"]["port"] == sec.ENGINE_HEALTH_PORT != res.ENGINE_PORT
+    drain = build_parser().parse_args(e["lifecycle"]["preStop"]["exec"]["command"][1:])
+    assert (drain.server, drain.tls_ca, drain.tls_cert, drain.tls_key) == (
+        f"localhost:{res.ENGINE_PORT}", parsed.tls_ca, parsed.tls_cert, parsed.tls_key)
+    router_pod = router["spec"]["template"]["spec"]
+    r = router_pod["containers"][0]
+    parsed = build_parser().parse_args(r["args"])
+    assert (parsed.tls_cert, parsed.tls_ca, parsed.health_port) == (
+        "/etc/modeserve/tls/tls.crt", "/etc/modeserve/tls/ca.crt", sec.ROUTER_HEALTH_PORT)
+    assert parsed.api_key_file == "/etc/modeserve/api-key/api-key" and parsed.api_key is None
+    assert {"name": "api-key", "secret": {"secretName": "llama-key", "items": [{"key": "token", "path": "api-key"}]}} \
+        in router_pod["volumes"]
+    assert mount in r["volumeMounts"] and {"name": "api-key", "mountPath": "/etc/modeserve/api-key",
+                                           "readOnly": True} in r["volumeMounts"]
+    assert r["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert r["livenessProbe"]["grpc"]["port"] == sec.ROUTER_HEALTH_PORT
+    assert "api-key" not in {v["name"] for v in engine_pod["volumes"]}  # the engines never see the key
+    with pytest.raises(InvalidSpec, match="secretName"):
+        parse_spec({**ES["spec"], "tls": {"enabled": True}}, "img")
+    with pytest.raises(InvalidSpec, match="apiKey"):
+        parse_spec({**ES["spec"], "router": {"apiKey": {"key": "token"}}}, "img")

@@ -62,3 +62,14 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{/* The TLS Secret (tls.crt, tls.key, ca.crt): the one given, or the chart's Certificate's. */}}
+{{- define "modeserve.tlsSecretName" -}}
+{{- if .Values.tls.secretName -}}
+{{- .Values.tls.secretName -}}
+{{- else if .Values.tls.certManager.enabled -}}
+{{- printf "%s-tls" (include "modeserve.fullname" .) -}}
+{{- else -}}
+{{- fail "tls.enabled: give tls.secretName (an existing Secret) or turn tls.certManager.enabled on" -}}
+{{- end -}}
+{{- end -}}
