@@ -2,8 +2,8 @@
 
 Per EngineSet ``NAME``: a StatefulSet ``NAME-engine`` (one pod per DP rank, rank = pod index), its
 headless Service ``NAME-engine`` (stable pod DNS for the router), a ConfigMap ``NAME-engine`` (DP_SIZE), a router Deployment ``NAME-router``
-and the client-facing Service ``NAME`` (Generate + Admin on 50051, the OpenAI HTTP API on 8000, metrics
-on 9090). All carry an
+and the client-facing Service ``NAME`` (Generate on 50051, the OpenAI HTTP API on 8000, the operator's
+Admin API on 50053, metrics on 9090). All carry an
 owner reference to the EngineSet, so deleting it deletes them.
 """
 
@@ -17,6 +17,7 @@ from .spec import EngineSetSpec
 
 ENGINE_PORT = 50061
 ROUTER_PORT = 50051
+ROUTER_ADMIN_PORT = 50053  # the routers' Admin API (SetRanks), apart from Generate: mutual TLS under spec.tls
 ROUTER_HTTP_PORT = 8000  # the Service's port of the OpenAI-compatible HTTP API (the pods': spec.router.httpPort)
 METRICS_PORT = 9090
 GROUP = "modeserve.io"
@@ -201,6 +202,7 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
     ranks = ["--engineset", name, "--namespace", ns] if service_account else ["--engines", rank_address(name, ns, 0)]
     args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--http-port", str(spec.router_http_port),
             "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT),
+            "--admin-port", str(ROUTER_ADMIN_PORT),
             *sec.tls_args(spec, sec.ROUTER_HEALTH_PORT), *sec.api_key_args(spec)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")
@@ -214,7 +216,7 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
                 {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": "k8s.pod.name=$(POD_NAME)"},
                 *_tracing_env(spec, f"{name}-router")],
         "ports": [{"name": "grpc", "containerPort": ROUTER_PORT}, {"name": "http", "containerPort": spec.router_http_port},
-                  {"name": "metrics", "containerPort": METRICS_PORT}],
+                  {"name": "admin", "containerPort": ROUTER_ADMIN_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
         # /health: 200 while a rank is ready and the router is not draining (the same for both APIs;
         # open without the API key; under TLS the kubelet does not verify the certificate)
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http",
@@ -270,5 +272,6 @@ def router_service(es: EngineSet) -> Obj:
         "spec": {"selector": selector(name, "router"),
                  "ports": [{"name": "grpc", "port": ROUTER_PORT, "targetPort": "grpc", "appProtocol": "grpc"},
                            {"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http", "appProtocol": "http"},
+                           {"name": "admin", "port": ROUTER_ADMIN_PORT, "targetPort": "admin", "appProtocol": "grpc"},
                            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
     }

@@ -12,7 +12,7 @@ from typing import Protocol
 import grpc
 
 from .ranks import RouterRank
-from .resources import ROUTER_PORT
+from .resources import ROUTER_ADMIN_PORT
 from ..proto.v1 import admin_pb2, admin_pb2_grpc
 from ..service.rpc.tls import TlsFiles, open_channel
 
@@ -24,8 +24,8 @@ class RouterUnreachable(Exception):
 
 
 def router_address(name: str, namespace: str) -> str:
-    """The router Service of EngineSet ``name`` (``resources.router_service``)."""
-    return f"{name}.{namespace}.svc:{ROUTER_PORT}"
+    """The Admin port of EngineSet ``name``'s router Service (``resources.router_service``)."""
+    return f"{name}.{namespace}.svc:{ROUTER_ADMIN_PORT}"
 
 
 class AdminClient(Protocol):

@@ -41,6 +41,9 @@ def add_parser(sub: Any) -> None:
     add_public_api_args(p)
     add_tls_args(p, "PEM CA of the engines' certificates: talk TLS to engines (presenting --tls-cert, for engines "
                     "that ask for mutual TLS)")
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="serve the Admin API (SetRanks: where prompts go) on this port only, with --tls-ca to "
+                        "clients with a certificate that CA signed (the operator); default: on --port, unguarded")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="all ranks step together (IDLE when without work; CUDA-graph steps padded alike)")
     add_engine_args(p, (SchedulerConfig,))
@@ -91,7 +94,9 @@ def router_config(args: argparse.Namespace) -> RemoteRouterConfig:
 def run(args: argparse.Namespace) -> int:
     watch = engineset_watch(args.engineset, args.namespace) if args.engineset else None
     engines = [e for e in (args.engines or "").split(",") if e]
+    if args.admin_port is not None and not 0 <= args.admin_port < 65536:
+        raise ValueError(f"--admin-port must be in [0, 65536), got {args.admin_port}")
     cfg = dataclasses.replace(router_config(args), wait=args.engine_wait, dispatch=args.dispatch,
-                              lockstep=args.dp_lockstep)
+                              lockstep=args.dp_lockstep, admin_port=args.admin_port)
     app = start_remote_router(grpc_address(args.host, args.port), engines, args.model, cfg, watch=watch)
     return serve_app(app, "router", args.host, args.grace_period)

@@ -1,5 +1,7 @@
 """Assemble a router: rank loops (in-process or remote) + the Generate and Admin services on one
-asyncio gRPC server."""
+asyncio gRPC server, or Admin on a port of its own (``admin_port``): SetRanks decides where every
+prompt goes, so under TLS with a CA that port serves only clients with a certificate the CA signed
+(the operator), while Generate's clients need none."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class RouterApp:
     metrics: MetricsServer
     tracing: Tracing
     http: HttpServer | None = None
+    admin: GrpcServer | None = None  # Admin's own server (None: on ``server``)
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # first thing stop() does (rank sources)
 
     @property
@@ -56,6 +59,8 @@ class RouterApp:
         if self.http is not None:
             self.http.shutdown(grace, wait=False)
         self.server.shutdown(grace)
+        if self.admin is not None:
+            self.admin.shutdown(0)
         if self.http is not None:
             self.http.shutdown(grace)
         self.table.close()
@@ -79,9 +84,10 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
                  eos_token_ids: Sequence[int], metrics_port: int | None = None,
                  tracing: Tracing | None = None, http: HttpAddress | None = None,
                  api_key: str | None = None, tls: TlsFiles | None = None,
-                 options: ServerOptions = ServerOptions()) -> RouterApp:
-    """Serve Generate (and Admin, over the same table) on ``address``, the OpenAI HTTP API on ``http``
-    (both asking for ``api_key`` if given, both over TLS with ``tls``); /metrics on ``metrics_port``."""
+                 options: ServerOptions = ServerOptions(), admin_port: int | None = None) -> RouterApp:
+    """Serve Generate (and Admin, over the same table, unless ``admin_port``) on ``address``, the
+    OpenAI HTTP API on ``http`` (both asking for ``api_key`` if given, both over TLS with ``tls``);
+    /metrics on ``metrics_port``; Admin on ``admin_port`` (mutual TLS when ``tls`` has a CA)."""
     credentials = ReloadingServerCredentials(tls, require_client_cert=False).credentials if tls else None
     metrics = MetricsServer(table.samples, router=True)
     if metrics_port is not None:
@@ -90,16 +96,23 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
     generation = Generation(parser, table, model_name, metrics.requests, tracing)
     servicer = GenerateServicer(generation, eos_token_ids)
     admin = AdminServicer(table)
+    register_admin = lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)  # noqa: E731
+    services = [GENERATE_SERVICE] + ([ADMIN_SERVICE] if admin_port is None else [])
     server = GrpcServer(events, address,
                        [lambda s: generate_pb2_grpc.add_GenerateServicer_to_server(servicer, s),
-                        lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
-                       [GENERATE_SERVICE, ADMIN_SERVICE], [ApiKeyInterceptor(api_key)] if api_key else [],
-                        credentials, options)
+                        *([register_admin] if admin_port is None else [])],
+                       services, [ApiKeyInterceptor(api_key)] if api_key else [], credentials, options)
     app = RouterApp(events, server, servicer, table, metrics, tracing)
-    if http is not None:
-        try:
+    try:
+        if admin_port is not None:
+            mutual = tls is not None and tls.ca is not None
+            admin_credentials = ReloadingServerCredentials(tls, mutual).credentials if tls else None
+            app.admin = GrpcServer(events, f"{address.rsplit(':', 1)[0]}:{admin_port}", [register_admin],
+                                   [ADMIN_SERVICE], credentials=admin_credentials,
+                                   options=ServerOptions(reflection=options.reflection))
+        if http is not None:
             app.http = HttpServer(events, create_app(generation, api_key), http.host, http.port, tls)
-        except BaseException:
-            app.stop(0)
-            raise
+    except BaseException:
+        app.stop(0)
+        raise
     return app

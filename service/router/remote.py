@@ -48,6 +48,7 @@ class RemoteRouterConfig:
     tls: TlsFiles | None = None  # the router's own servers over TLS (gRPC and HTTP)
     engine_tls: TlsFiles | None = None  # TLS to the engines (its CA verifies them; its certificate is presented)
     server: ServerOptions = ServerOptions()
+    admin_port: int | None = None  # Admin on a port of its own (mutual TLS under tls with a CA); None: the main one
 
 
 def start_remote_router(address: str, engines: list[str], model: str | None, cfg: RemoteRouterConfig,
@@ -110,4 +111,4 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                            max_new_tokens=desc.max_context_len, max_prompt_chars=64 * desc.max_context_len)
     parser = RequestParser(tokenizer, limits, cfg.scheduler.random_seed)
     return start_router(address, events, table, parser, desc.model, list(desc.eos_token_ids), cfg.metrics_port,
-                        tracing, cfg.http, cfg.api_key, cfg.tls, cfg.server)
+                        tracing, cfg.http, cfg.api_key, cfg.tls, cfg.server, cfg.admin_port)

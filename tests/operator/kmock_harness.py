@@ -125,7 +125,7 @@ class FakeRouter:
                 for r, (_, state) in self.table.items()}
 
     def get_ranks(self, address: str, tls: bool = False) -> RouterStates:
-        assert address == f"{NAME}.{NS}.svc:50051"
+        assert address == f"{NAME}.{NS}.svc:50053"
         with self.lock:
             if not self.reachable:
                 raise RouterUnreachable("connection refused")

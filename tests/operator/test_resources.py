@@ -67,6 +67,9 @@ def test_router_points_at_rank_zero_and_serves_generate() -> None:
     assert parsed.engineset is None and "serviceAccountName" not in pod  # no rights to read EngineSets
     assert parsed.metrics_port == res.METRICS_PORT
     assert parsed.http_port == res.ROUTER_HTTP_PORT
+    assert parsed.admin_port == res.ROUTER_ADMIN_PORT  # the operator's Admin calls, apart from Generate
+    admin = next(p for p in service["spec"]["ports"] if p["name"] == "admin")
+    assert (admin["port"], admin["targetPort"]) == (res.ROUTER_ADMIN_PORT, "admin")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"} and ports["http"] == parsed.http_port
     names = [e["name"] for e in c["env"]]  # the kubelet expands $(VAR) only for variables defined before

@@ -55,28 +55,36 @@ def test_errors_are_router_unreachable(router: str) -> None:
         client.get_ranks("127.0.0.1:1")
 
 
-def test_routers_with_tls_are_called_over_tls(tmp_path: Any) -> None:
-    """An EngineSet with ``spec.tls``: its router serves TLS, and the operator calls it with its CA
-    (a plaintext call fails; an operator without ``--tls-ca`` says so instead of trying)."""
+def test_routers_with_tls_are_called_over_tls_with_the_operators_certificate(tmp_path: Any) -> None:
+    """An EngineSet with ``spec.tls``: its router's Admin port serves mutual TLS (``router --admin-port``
+    with a CA): the operator with ``--tls-ca`` and ``--tls-cert`` gets in, a TLS client without a
+    certificate does not, a plaintext call fails, and an operator without ``--tls-ca`` says so instead
+    of trying."""
     import trustme
 
     from modeserve.service.rpc.tls import ReloadingServerCredentials, TlsFiles
 
     ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    for name, pem in (("ca.pem", ca.cert_pem), ("srv.pem", cert.cert_chain_pems[0]), ("srv.key", cert.private_key_pem)):
-        pem.write_to_path(str(tmp_path / name))
+    for role, names in (("srv", ("127.0.0.1", "localhost")), ("op", ("operator",))):
+        cert = ca.issue_cert(*names)
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / f"{role}.pem"))
+        cert.private_key_pem.write_to_path(str(tmp_path / f"{role}.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    ca_file = str(tmp_path / "ca.pem")
     table = RankTable(no_engine, Dispatcher(), health_interval=0.05)
     events = EventLoopThread()
-    creds = ReloadingServerCredentials(TlsFiles(str(tmp_path / "srv.pem"), str(tmp_path / "srv.key")), False)
-    server = GrpcServer(events, "127.0.0.1:0",
-                        [lambda s: admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(table), s)], [ADMIN_SERVICE],
-                        credentials=creds.credentials)
+    creds = ReloadingServerCredentials(TlsFiles(str(tmp_path / "srv.pem"), str(tmp_path / "srv.key"), ca_file), True)
+    admin = AdminServicer(table)
+    server = GrpcServer(events, "127.0.0.1:0", [lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)],
+                        [ADMIN_SERVICE], credentials=creds.credentials)
     address = f"127.0.0.1:{server.port}"
+    operator = TlsFiles(str(tmp_path / "op.pem"), str(tmp_path / "op.key"), ca_file)
     try:
-        assert GrpcAdminClient(5, TlsFiles(ca=str(tmp_path / "ca.pem"))).set_ranks(address, [], tls=True) == {}
+        assert GrpcAdminClient(5, operator).set_ranks(address, [], tls=True) == {}
         with pytest.raises(RouterUnreachable, match="UNAVAILABLE"):
-            GrpcAdminClient(2, TlsFiles(ca=str(tmp_path / "ca.pem"))).get_ranks(address)  # plaintext to TLS
+            GrpcAdminClient(5, TlsFiles(ca=ca_file)).get_ranks(address, tls=True)
+        with pytest.raises(RouterUnreachable, match="UNAVAILABLE"):
+            GrpcAdminClient(2, operator).get_ranks(address)  # plaintext to TLS
         with pytest.raises(RouterUnreachable, match="no --tls-ca"):
             GrpcAdminClient(2).get_ranks(address, tls=True)
     finally:

@@ -1,7 +1,8 @@
 """TLS with certificates made here (``trustme``): an engine with mutual TLS refuses a client without a
 certificate its CA signed and serves a router with one; the router serves Generate and the HTTP API
-over TLS (plaintext clients fail); certificates rotated while a stream runs: it finishes, new
-connections get the new certificate."""
+over TLS (plaintext clients fail), and Admin on its own port with mutual TLS; certificates rotated
+while a stream runs: it finishes, new connections get the new certificate; plaintext health ports for
+probes; the drain hook over mutual TLS."""
 
 from __future__ import annotations
 
@@ -224,6 +225,35 @@ def test_health_port_answers_probes_in_plaintext_while_the_server_speaks_tls(tmp
         loop.close()
     with pytest.raises(ValueError, match="health-port"):
         ServerOptions(health_port=70000)
+
+
+def test_admin_port_serves_only_clients_with_a_certificate_the_ca_signed(cluster: Cluster) -> None:
+    """``router --admin-port`` with a CA: Admin (SetRanks decides where prompts go) moves to a port
+    of its own with mutual TLS (the operator presents its certificate; a client without one fails the
+    handshake), Generate stays on the main port for clients without certificates, and Admin is not
+    served there any more."""
+    from modeserve.operator.router_client import GrpcAdminClient, RouterUnreachable
+
+    keys = cluster.pki
+    admin_port = free_port()
+    router = start_remote_router("127.0.0.1:0", [cluster.engine_address], str(cluster.model), RemoteRouterConfig(
+        tls=TlsFiles(keys.server.cert, keys.server.key, keys.ca_file), engine_tls=keys.client, wait=30,
+        admin_port=admin_port))
+    admin = f"127.0.0.1:{admin_port}"
+    try:
+        assert GrpcAdminClient(5, keys.client).get_ranks(admin, tls=True) == {0: "READY"}
+        with pytest.raises(RouterUnreachable, match="UNAVAILABLE"):  # no client certificate: no handshake
+            GrpcAdminClient(5, TlsFiles(ca=keys.ca_file)).get_ranks(admin, tls=True)
+        main = f"127.0.0.1:{router.port}"
+        with pytest.raises(RouterUnreachable, match="UNIMPLEMENTED"):
+            GrpcAdminClient(5, keys.client).get_ranks(main, tls=True)
+        client = GenerateClient(main, credentials=channel_credentials(TlsFiles(ca=keys.ca_file)))
+        try:
+            assert client.generate(token_ids=[5, 6, 7], max_new_tokens=3, ignore_eos=True).completion_tokens == 3
+        finally:
+            client.close()
+    finally:
+        router.stop(grace=1)
 
 
 def test_drain_reaches_an_engine_with_mutual_tls(cluster: Cluster) -> None:
