@@ -202,7 +202,8 @@ def router_deployment(es: EngineSet, spec: EngineSetSpec, service_account: str =
     ranks = ["--engineset", name, "--namespace", ns] if service_account else ["--engines", rank_address(name, ns, 0)]
     args = ["router", *ranks, "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--http-port", str(spec.router_http_port),
             "--dispatch", spec.dispatch, "--engine-wait", "3600", "--metrics-port", str(METRICS_PORT),
-            "--admin-port", str(ROUTER_ADMIN_PORT),
+            "--admin-port", str(ROUTER_ADMIN_PORT), "--max-queued-requests", str(spec.max_queued_requests),
+            "--max-streams-per-connection", str(spec.max_streams_per_connection),
             *sec.tls_args(spec, sec.ROUTER_HEALTH_PORT), *sec.api_key_args(spec)]
     if spec.dp_lockstep:
         args.append("--dp-lockstep")

@@ -54,6 +54,8 @@ class EngineSetSpec:
     tls_secret: str | None = None  # a Secret with tls.crt, tls.key and ca.crt: TLS everywhere, mutual to engines
     api_key_secret: str | None = None  # a Secret holding the routers' API key ...
     api_key_secret_key: str = "api-key"  # ... under this key
+    max_queued_requests: int = 1024  # per router: requests waiting past it get RESOURCE_EXHAUSTED / 429
+    max_streams_per_connection: int = 4096  # per client connection to a router (HTTP/2 MAX_CONCURRENT_STREAMS)
 
     @property
     def gpus(self) -> int:
@@ -101,6 +103,11 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
     api_key = router.get("apiKey") or {}
     if api_key and not api_key.get("secretName"):
         problems.append("spec.router.apiKey needs secretName (the Secret holding the key)")
+    router_limits = router.get("limits") or {}
+    queued, streams = router_limits.get("maxQueuedRequests", 1024), router_limits.get("maxStreamsPerConnection", 4096)
+    for key, value in (("maxQueuedRequests", queued), ("maxStreamsPerConnection", streams)):
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"spec.router.limits.{key} must be an integer >= 1, got {value!r}")
     image = str(spec.get("image") or default_image)
     if not image:
         problems.append("spec.image is empty and the operator has no default image")
@@ -127,4 +134,5 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
         tls_secret=str(tls["secretName"]) if tls.get("enabled") else None,
         api_key_secret=str(api_key["secretName"]) if api_key else None,
         api_key_secret_key=str(api_key.get("key") or "api-key"),
+        max_queued_requests=queued, max_streams_per_connection=streams,
     )

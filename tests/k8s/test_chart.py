@@ -129,9 +129,11 @@ def test_routers_can_run_as_an_existing_service_account(helm: Path) -> None:
 
 
 def test_sample_engineset_serves_http_and_notes_show_a_first_curl(helm: Path) -> None:
-    objs = render(helm, "sampleEngineSet.enabled=true", "sampleEngineSet.routerHttpPort=8080")
+    objs = render(helm, "sampleEngineSet.enabled=true", "sampleEngineSet.routerHttpPort=8080",
+                  "sampleEngineSet.limits.maxQueuedRequests=77")
     sample = next(o for o in objs if o["kind"] == "EngineSet")
     assert sample["spec"]["router"]["httpPort"] == 8080
+    assert sample["spec"]["router"]["limits"] == {"maxQueuedRequests": 77, "maxStreamsPerConnection": 4096}
     check_engineset(sample)
     out = subprocess.run([str(helm), "install", "rel", str(CHART), "--dry-run", "--namespace", "serving", "--set",
                           "sampleEngineSet.enabled=true"], capture_output=True, text=True, check=True).stdout

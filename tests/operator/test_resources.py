@@ -177,3 +177,17 @@ def test_tls_and_api_key_flow_into_the_pods(k8s_version: str) -> None:
         parse_spec({**ES["spec"], "tls": {"enabled": True}}, "img")
     with pytest.raises(InvalidSpec, match="apiKey"):
         parse_spec({**ES["spec"], "router": {"apiKey": {"key": "token"}}}, "img")
+
+
+def test_router_limits_follow_the_spec() -> None:
+    """``spec.router.limits``: the router's queue and streams per connection, on its command line."""
+    default = build_parser().parse_args(res.router_deployment(ES, parse_spec(ES["spec"], "img"))["spec"]["template"]
+                                        ["spec"]["containers"][0]["args"])
+    assert (default.max_queued_requests, default.max_streams_per_connection) == (1024, 4096)
+    spec = parse_spec({**ES["spec"], "router": {"limits": {"maxQueuedRequests": 64, "maxStreamsPerConnection": 8}}},
+                      "img")
+    c = res.router_deployment(ES, spec)["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(c["args"])
+    assert (parsed.max_queued_requests, parsed.max_streams_per_connection) == (64, 8)
+    with pytest.raises(InvalidSpec, match="maxQueuedRequests"):
+        parse_spec({**ES["spec"], "router": {"limits": {"maxQueuedRequests": 0}}}, "img")
