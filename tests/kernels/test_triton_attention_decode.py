@@ -23,18 +23,25 @@ from modeserve.kernels.triton.attention_decode import DecodeRotary, DecodeTiles,
 # ---- checks shared by the CPU (interpreter) and GPU tests ----
 
 
+def slot_table(seq: list[int], first_row: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A slot table whose request r (pool row ``first_row + r``) holds ``seq[r]`` random distinct slots
+    (slot 0 reserved); and the number of slots."""
+    num_slots = sum(seq) + 1
+    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    req_to_token = torch.zeros(len(seq) + first_row, 160, dtype=torch.int64)
+    used = 0
+    for r, s in enumerate(seq):
+        req_to_token[r + first_row, :s] = torch.tensor(slots[used : used + s])
+        used += s
+    return req_to_token, num_slots
+
+
 def check_decode_splits(num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
                         device: str, dtype: torch.dtype, tol: float, tiles: DecodeTiles | None = None) -> None:
     """The decode kernel alone, against dense attention, for a split count, head shapes and launch shape."""
     g = torch.Generator().manual_seed((num_kv_splits or 0) + head_dim)
     seq = [1, 2, 37, 150, 64]
-    num_slots = sum(seq) + 1
-    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
-    req_to_token = torch.zeros(len(seq) + 1, 160, dtype=torch.int64)
-    used = 0
-    for r, s in enumerate(seq):  # request r in pool row r + 1
-        req_to_token[r + 1, :s] = torch.tensor(slots[used : used + s])
-        used += s
+    req_to_token, num_slots = slot_table(seq, 1, g)  # request r in pool row r + 1
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
     qkv = torch.randn(len(seq), num_heads + 8, head_dim, generator=g)
@@ -68,13 +75,7 @@ def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads:
     and the same cache afterwards, bit for bit."""
     g = torch.Generator().manual_seed(head_dim + num_heads)
     seq = [1, 2, 37, 150, 64]
-    num_slots = sum(seq) + 1
-    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
-    req_to_token = torch.zeros(len(seq) + 1, 160, dtype=torch.int64)
-    used = 0
-    for r, s in enumerate(seq):
-        req_to_token[r + 1, :s] = torch.tensor(slots[used : used + s])
-        used += s
+    req_to_token, num_slots = slot_table(seq, 1, g)
     table = req_to_token.to(device)
     rows = torch.arange(1, len(seq) + 1, device=device)
     seq_lens = torch.tensor(seq, device=device)
@@ -102,13 +103,7 @@ def check_verify_queries(queries: int, num_kv_splits: int | None, num_heads: int
     against dense causal attention over its request's keys up to its own position."""
     g = torch.Generator().manual_seed(queries * 7 + head_dim + (num_kv_splits or 0))
     seq = [queries, queries + 1, 40, 150, 67]  # sequence lengths with this step's tokens
-    num_slots = sum(seq) + 1
-    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
-    req_to_token = torch.zeros(len(seq) + 2, 160, dtype=torch.int64)
-    used = 0
-    for r, s in enumerate(seq):  # request r in pool row r + 2
-        req_to_token[r + 2, :s] = torch.tensor(slots[used : used + s])
-        used += s
+    req_to_token, num_slots = slot_table(seq, 2, g)  # request r in pool row r + 2
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=g)
     q = torch.randn(len(seq) * queries, num_heads, head_dim, generator=g)
