@@ -100,6 +100,15 @@ def replay_inputs(case: dict, rows: list[int], static: GraphInputs, dtype: torch
         out_cache_loc=static.out_cache_loc[:n], req_to_token=case["req_to_token"], dtype=dtype)
 
 
+def fill_static(case: dict, rows: list[int], static: GraphInputs, qkv: tuple[torch.Tensor, ...],
+                dtype: torch.dtype) -> AttentionInputs:
+    """``replay_inputs``, and the rows' q/k/v written into the static ``qkv`` buffers (the rest zero)."""
+    for buf, real in zip(qkv, (case["q"], case["k"], case["v"])):
+        buf.zero_()
+        buf[: len(rows)] = real[rows]
+    return replay_inputs(case, rows, static, dtype)
+
+
 # ---- checks shared by the CPU (interpreter) and GPU tests ----
 
 
@@ -129,10 +138,7 @@ def check_graph_replay(page_size: int, device: str, dtype: torch.dtype, window: 
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [3, 1, 4]):
         n = len(rows)
-        inputs = replay_inputs(case, rows, static, dtype)
-        for buf, real in ((static_q, case["q"]), (static_k, case["k"]), (static_v, case["v"])):
-            buf.zero_()
-            buf[:n] = real[rows]
+        inputs = fill_static(case, rows, static, (static_q, static_k, static_v), dtype)
         backend.init_replay(inputs, bs)
         backend.init_forward_metadata(decode_inputs(case, [0], device, dtype))  # another step between
         backend.init_replay(inputs, bs)
@@ -274,10 +280,7 @@ def test_triton_cuda_graph_replay_gpu(page_size: int, window: int | None) -> Non
     dense = dense_reference(case, window)
     for rows in ([0, 1, 2, 3, 4], [4, 0], [2]):
         n = len(rows)
-        inputs = replay_inputs(case, rows, static, dtype)
-        for buf, real in ((static_q, case["q"]), (static_k, case["k"]), (static_v, case["v"])):
-            buf.zero_()
-            buf[:n] = real[rows]
+        inputs = fill_static(case, rows, static, (static_q, static_k, static_v), dtype)
         backend.init_replay(inputs, bs)
         graph.replay()
         assert torch.isfinite(static_out).all()
