@@ -126,22 +126,26 @@ class DraftModel:
                                                                     last + 1])
             rows.input_ids.copy_(ids)
             rows.out_cache_loc.copy_(loc)
-            inputs = self._catch_up_inputs(rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc, last,
-                                           req_pool_cpu, slots)
+            inputs = self._inputs(ForwardMode.DRAFT_EXTEND, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc,
+                                  last - 1, req_pool_cpu, slots)
             self._plan(lambda: self.attn.init_replay(inputs, bucket), n)
             return graphs.replay(bucket, n)[1::2].argmax(-1)
         (seq_dev,) = upload([last + 1], self.device)
-        inputs = self._catch_up_inputs(req_pool, seq_dev, loc, last, req_pool_cpu, slots)
+        inputs = self._inputs(ForwardMode.DRAFT_EXTEND, req_pool, seq_dev, loc, last - 1, req_pool_cpu, slots)
         self._plan(lambda: self.attn.init_forward_metadata(inputs), n)
         hidden = self.model(ids, positions_dev, self.attn)
         return self.model.compute_logits(hidden[1::2]).argmax(-1)
 
-    def _catch_up_inputs(self, req_pool: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor, last: np.ndarray,
-                         req_pool_cpu: np.ndarray, slots: SlotState) -> AttentionInputs:
+    def _inputs(self, mode: ForwardMode, req_pool: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor,
+                prefix: np.ndarray, req_pool_cpu: np.ndarray, slots: SlotState) -> AttentionInputs:
+        """A sub-step's attention inputs: the catch-up's (DRAFT_EXTEND, two tokens a request after
+        ``prefix``) or a proposal's (DECODE, one)."""
+        queries = 2 if mode == ForwardMode.DRAFT_EXTEND else 1
         return AttentionInputs(
-            forward_mode=ForwardMode.DRAFT_EXTEND, req_pool_indices=req_pool, prefix_lens_cpu=(last - 1).tolist(),
-            extend_lens_cpu=[2] * len(last), seq_lens=seq_lens, out_cache_loc=loc, req_to_token=slots.req_to_token,
-            dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu, req_to_page_cpu=slots.req_to_page)
+            forward_mode=mode, req_pool_indices=req_pool, prefix_lens_cpu=prefix.tolist(),
+            extend_lens_cpu=[queries] * len(prefix), seq_lens=seq_lens, out_cache_loc=loc,
+            req_to_token=slots.req_to_token, dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu,
+            req_to_page_cpu=slots.req_to_page)
 
     def _decode(self, ids: torch.Tensor, positions: np.ndarray, loc: np.ndarray, req_pool_cpu: np.ndarray,
                 slots: SlotState) -> torch.Tensor:
@@ -154,20 +158,12 @@ class DraftModel:
             rows = self.graphs.upload(ForwardMode.DECODE, bucket, [np.zeros(n, dtype=np.int64), positions, loc,
                                                                    req_pool_cpu, seq])
             rows.input_ids.copy_(ids)
-            inputs = self._decode_inputs(rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc, positions,
-                                         req_pool_cpu, slots)
+            inputs = self._inputs(ForwardMode.DECODE, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc,
+                                  positions, req_pool_cpu, slots)
             self._plan(lambda: self.attn.init_replay(inputs, bucket), n)
             return self.graphs.replay(bucket, n).argmax(-1)
         pos_dev, loc_dev, pool_dev, seq_dev = upload([positions, loc, req_pool_cpu, seq], self.device)
-        inputs = self._decode_inputs(pool_dev, seq_dev, loc_dev, positions, req_pool_cpu, slots)
+        inputs = self._inputs(ForwardMode.DECODE, pool_dev, seq_dev, loc_dev, positions, req_pool_cpu, slots)
         self._plan(lambda: self.attn.init_forward_metadata(inputs), n)
         hidden = self.model(ids, pos_dev, self.attn)
         return self.model.compute_logits(hidden).argmax(-1)
-
-    def _decode_inputs(self, req_pool: torch.Tensor, seq_lens: torch.Tensor, loc: torch.Tensor, positions: np.ndarray,
-                       req_pool_cpu: np.ndarray, slots: SlotState) -> AttentionInputs:
-        return AttentionInputs(
-            forward_mode=ForwardMode.DECODE, req_pool_indices=req_pool, prefix_lens_cpu=positions.tolist(),
-            extend_lens_cpu=[1] * len(positions), seq_lens=seq_lens, out_cache_loc=loc,
-            req_to_token=slots.req_to_token, dtype=self.kv_cache.dtype, req_pool_indices_cpu=req_pool_cpu,
-            req_to_page_cpu=slots.req_to_page)
