@@ -49,8 +49,12 @@ MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
     ForwardMode.DECODE: ModeTraits(False, True, True, True, True, "one new token per running request"),
     ForwardMode.MIXED: ModeTraits(True, False, False, True, True, "a prefill chunk together with decodes"),
     ForwardMode.IDLE: ModeTraits(False, True, True, False, True, "a lockstep DP rank with no work"),
-    # k + 1 queries a request (the attention backends plan it as an extend); eager until its graphs land
+    # k + 1 queries a request; the runner replays its verify graphs when every request has k drafts
+    # (uses_cuda_graph stays False: DP lockstep does not pad verify steps to a shared bucket)
     ForwardMode.TARGET_VERIFY: ModeTraits(False, True, False, True, True, "speculative decoding: verify drafts"),
+    # the draft model's sub-step inside the engine (its prefill in EXTEND/MIXED steps, its catch-up in
+    # TARGET_VERIFY steps), counted in the statistics; never a batch's own mode, so a batch naming it
+    # is refused (the target would run it as a plain extend)
     ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
     ForwardMode.DLLM_EXTEND: ModeTraits(True, False, True, True, False, "diffusion LM block denoising"),
     ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, False, "a prefill run a slice of layers per step"),
