@@ -43,7 +43,8 @@ def test_pieces_equal_the_whole_model_on_cpu(tmp_path: Path, arch: str, backend:
     if backend == "triton":
         pytest.importorskip("triton")
     folder = make_tiny_model(arch, tmp_path / arch, head_dim=64)
-    prompts = mixed_prompts(9, COMMON["vocab_size"], seed=21, shared_prefix=16)
+    # fewer prompts through Triton's interpreter (slow on CPU): still EXTEND, MIXED and both buckets
+    prompts = mixed_prompts(5 if backend == "triton" else 9, COMMON["vocab_size"], seed=21, shared_prefix=16)
     kw = dict(device="cpu", page_size=4, attention_backend=backend, kernel_backend=backend, **SCHED)
     pw, ref = LLM(model=str(folder), **kw), LLM(model=str(folder), **kw)
     runner = pw.runner
