@@ -59,6 +59,11 @@ def add_parser(sub: Any) -> None:
     dp.add_argument("--prompt-len", type=int, default=32)
     dp.add_argument("--new-tokens", type=int, default=64)
     dp.set_defaults(func=_json_bench("dp"))
+    from . import fuzz
+
+    fz = kinds.add_parser("fuzz", help="hypothesis cases against engine + router processes: every one OK or refused")
+    fuzz.add_arguments(fz)
+    fz.set_defaults(func=_json_bench("fuzz"))
     lat = kinds.add_parser("latency", help="one batch on random weights of a named shape vs the roofline (GPU)")
     _gpu_bench_args(lat, input_len=512, output_len=256)
     lat.add_argument("--batch-size", type=int, default=1)

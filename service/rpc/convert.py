@@ -74,16 +74,10 @@ def _sampling_from_proto(s: forward_pb2.SlotSampling, field: str) -> SamplingPar
         if not math.isfinite(getattr(s, name)):
             raise ValueError(f"{field}.{name} must be finite, got {getattr(s, name)}")
     try:
-        return SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty,
-            logprobs=None if s.logprobs == _NO_LOGPROBS else s.logprobs,
-        )
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                              frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                              repetition_penalty=s.repetition_penalty,
+                              logprobs=None if s.logprobs == _NO_LOGPROBS else s.logprobs)
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
 
@@ -129,7 +123,7 @@ def _mode_from_proto(value: int) -> ForwardMode:
         raise ValueError(f"forward_mode {value} is not a forward mode (known: {known})") from None
 
 
-def _check_requests(req_pool: np.ndarray, prefix: np.ndarray, ext: np.ndarray, mask: np.ndarray,
+def _check_requests(mode: ForwardMode, req_pool: np.ndarray, prefix: np.ndarray, ext: np.ndarray, mask: np.ndarray,
                     limits: BatchLimits) -> None:
     num_reqs = req_pool.shape[0]
     for name, arr in (("prefix_lens", prefix), ("extend_lens", ext), ("sample_mask", mask)):
@@ -151,6 +145,14 @@ def _check_requests(req_pool: np.ndarray, prefix: np.ndarray, ext: np.ndarray, m
     empty_samplers = np.flatnonzero((mask != 0) & (ext == 0))
     if empty_samplers.size:
         raise ValueError(f"sample_mask[{int(empty_samplers[0])}] is set but extend_lens is 0 (nothing to sample from)")
+    # the shape each mode's runner path indexes by (the scheduler builds no other)
+    if mode == ForwardMode.IDLE and num_reqs:
+        raise ValueError(f"forward_mode IDLE carries no requests, got {num_reqs}")
+    if mode == ForwardMode.DECODE and not ((ext == 1) & (mask == 1)).all():
+        raise ValueError("forward_mode DECODE takes one sampled token a request (extend_lens 1, sample_mask 1)")
+    if mode == ForwardMode.TARGET_VERIFY and num_reqs and int(ext.min()) < 1:
+        raise ValueError(f"forward_mode TARGET_VERIFY: extend_lens[{int(np.argmin(ext))}] = 0 (a request verifies "
+                         f"its last token and its drafts)")
 
 
 def _check_tokens(prefix: np.ndarray, ext: np.ndarray, ids: np.ndarray, pos: np.ndarray, loc: np.ndarray,
@@ -221,7 +223,7 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
     ids = _unpack(m.input_ids, _I64, "input_ids")
     pos = _unpack(m.positions, _I64, "positions")
     loc = _unpack(m.out_cache_loc, _I64, "out_cache_loc")
-    _check_requests(req_pool, prefix, ext, mask, limits)
+    _check_requests(mode, req_pool, prefix, ext, mask, limits)
     _check_tokens(prefix, ext, ids, pos, loc, limits)
     if not -1 <= m.padded_batch_size <= limits.max_reqs:
         raise ValueError(f"padded_batch_size = {m.padded_batch_size} is outside [-1, {limits.max_reqs}]")

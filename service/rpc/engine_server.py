@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ...engine.runner.model_runner import ModelRunner
 from ...engine.scheduler.stats import ForwardModeStats
@@ -79,7 +80,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.active_streams += 1
         stream = ForwardStream(self._limits, self.tracing, self._description.dp_rank, self.stats,
                                asyncio.get_running_loop())
-        reader = asyncio.ensure_future(stream.read(request_iterator))
+        undecodable: list[str] = []
+        reader = asyncio.ensure_future(stream.read(_decoded(request_iterator, undecodable)))
         threading.Thread(target=stream.run, args=(self._runner,), name="forward-steps", daemon=True).start()
         try:
             while (item := await stream.results.get()) is not None:
@@ -87,6 +89,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     await context.abort(item.code, str(item))  # raises
                 else:
                     yield item
+            if undecodable:  # the steps before it have their results; the stream must not end OK
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"a ForwardBatch does not parse: {undecodable[0]}")
         finally:  # ended, failed or cancelled: the reader's end stops the steps
             self.active_streams -= 1
             reader.cancel()
@@ -110,6 +115,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if self.server is not None:
             await self.server.set_not_serving(ENGINE_SERVICE)
         return engine_pb2.DrainResponse(drained=self.active_streams == 0, active_streams=self.active_streams)
+
+
+async def _decoded(requests: AsyncIterator[forward_pb2.ForwardBatch],
+                   undecodable: list[str]) -> AsyncIterator[forward_pb2.ForwardBatch]:
+    """The stream's batches up to one that does not parse (grpc raises the parser's error from the
+    iterator), whose error goes to ``undecodable``."""
+    try:
+        async for msg in requests:
+            yield msg
+    except DecodeError as exc:
+        undecodable.append(str(exc))
 
 
 @dataclass

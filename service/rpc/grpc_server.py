@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .undecodable import UndecodableInterceptor
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -87,7 +89,8 @@ class GrpcServer:
     async def _start(self, address: str, register: Sequence[Callable[[grpc.aio.Server], None]],
                      interceptors: Sequence[grpc.aio.ServerInterceptor],
                      credentials: grpc.ServerCredentials | None) -> int:
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
+        # innermost: a caller refused by an outer interceptor (the API key) hears that first
+        self.server = grpc.aio.server(interceptors=[*interceptors, UndecodableInterceptor()], options=[
             ("grpc.max_concurrent_streams", self.options.max_streams_per_connection),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC core cancels calls that wait unmatched while more than its default of pending ones
