@@ -59,6 +59,11 @@ def add_parser(sub: Any) -> None:
     dp.add_argument("--prompt-len", type=int, default=32)
     dp.add_argument("--new-tokens", type=int, default=64)
     dp.set_defaults(func=_json_bench("dp"))
+    from . import faults
+
+    flt = kinds.add_parser("faults", help="engine kill storm, KV exhaustion, router restart, slow-loris clients (CPU)")
+    faults.add_arguments(flt)
+    flt.set_defaults(func=_json_bench("faults"))
     from . import fuzz
 
     fz = kinds.add_parser("fuzz", help="hypothesis cases against engine + router processes: every one OK or refused")
