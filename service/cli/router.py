@@ -12,7 +12,7 @@ from ..router.api_key import load_api_key
 from ..router.app import HttpAddress, serve_app
 from ..router.dispatch import POLICIES
 from ..router.remote import RemoteRouterConfig, start_remote_router
-from ..rpc.grpc_server import grpc_address
+from ..rpc.grpc_server import ServerOptions, grpc_address
 from .engine_args import add_engine_args, engine_kwargs
 from .tls_args import add_tls_args, server_options, tls_files
 
@@ -71,6 +71,9 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="Generate calls and HTTP requests must carry "
                                                    "'authorization: Bearer KEY' (health stays open)")
     p.add_argument("--api-key-file", default=None, help="as --api-key, the key read from this file (a mounted Secret)")
+    p.add_argument("--max-unsent-tokens", type=int, default=ServerOptions.max_unsent_tokens,
+                   help="tokens generated and not yet read by their clients, all streams together (clients that do "
+                        "not read their streams); past it the stream holding most is cancelled")
 
 
 def http_address(args: argparse.Namespace) -> HttpAddress | None:

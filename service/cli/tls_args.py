@@ -27,7 +27,8 @@ def add_tls_args(p: argparse.ArgumentParser, ca_help: str | None) -> None:
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(args.max_streams_per_connection, args.reflection, args.health_port)
+    return ServerOptions(args.max_streams_per_connection, args.reflection, args.health_port,
+                         getattr(args, "max_unsent_tokens", ServerOptions.max_unsent_tokens))
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles | None:

@@ -18,6 +18,7 @@ from ..rpc.tls import ReloadingServerCredentials, TlsFiles
 from ..telemetry.metrics import MetricsServer
 from ..telemetry.tracing import Tracing
 from .admin_servicer import ADMIN_SERVICE, AdminServicer
+from .backlog import Backlog
 from .api_key import ApiKeyInterceptor
 from .generate_servicer import GENERATE_SERVICE, GenerateServicer
 from .generation import Generation
@@ -93,7 +94,7 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
     if metrics_port is not None:
         metrics.start(metrics_port)
     tracing = tracing or Tracing("router")
-    generation = Generation(parser, table, model_name, metrics.requests, tracing)
+    generation = Generation(parser, table, model_name, metrics.requests, tracing, Backlog(options.max_unsent_tokens))
     servicer = GenerateServicer(generation, eos_token_ids)
     admin = AdminServicer(table)
     register_admin = lambda s: admin_pb2_grpc.add_AdminServicer_to_server(admin, s)  # noqa: E731

@@ -15,8 +15,10 @@ from ...engine.request import Req
 from ..telemetry.metrics import RequestMetrics
 from ..telemetry.step_tracing import RequestTrace
 from ..telemetry.tracing import Tracing, extract
+from ..rpc.grpc_server import ServerOptions
+from .backlog import Backlog, StreamUpdates
 from .rank_table import RankTable
-from .request_handle import RequestHandle, TokenUpdate
+from .request_handle import RequestHandle
 from .request_validation import RequestParser
 from .text_stream import TextStream
 
@@ -45,8 +47,9 @@ class Delta:
 
 class Generation:
     def __init__(self, parser: RequestParser, table: RankTable, model_name: str, metrics: RequestMetrics | None,
-                 tracing: Tracing) -> None:
+                 tracing: Tracing, backlog: Backlog | None = None) -> None:
         self.parser = parser
+        self.backlog = backlog or Backlog(ServerOptions.max_unsent_tokens)
         self.tokenizer = parser.tokenizer
         self.table = table
         self.model_name = model_name
@@ -76,7 +79,7 @@ class Generation:
             if self.draining:
                 raise Draining("the server is shutting down")
             loop = self.table.dispatcher.choose(self.table.ready_loops(), req.prompt_ids)
-            handle = RequestHandle(req, asyncio.Queue(), trace)
+            handle = RequestHandle(req, self.backlog.open(None), trace)
             loop.submit(handle)
         except Exception as exc:
             if trace is not None:
@@ -89,17 +92,18 @@ class Generation:
     async def stream(self, handle: RequestHandle, arrived: float) -> AsyncGenerator[Delta, None]:
         """The request's deltas (updates that queued up while the consumer was busy come as one).
         Closed or cancelled before the last one, it aborts the request (its KV freed)."""
-        assert isinstance(handle.updates, asyncio.Queue)
-        updates: asyncio.Queue[TokenUpdate] = handle.updates
+        updates = handle.updates
+        assert isinstance(updates, StreamUpdates)
+        updates.task = asyncio.current_task()  # a stream that holds too much unread is cancelled here
         req, trace = handle.req, handle.trace
         text = TextStream(self.tokenizer, req.sampling.stop) if self.tokenizer is not None else None
         num_out, last, finished = 0, None, False
         try:
             while not finished:
-                upd = await updates.get()
+                upd = updates.taken(await updates.get())
                 tokens, logprobs, top = list(upd.token_ids), list(upd.logprobs), list(upd.top_logprobs)
                 while upd.finish_reason is None and not updates.empty():
-                    upd = updates.get_nowait()
+                    upd = updates.taken(updates.get_nowait())
                     tokens += upd.token_ids
                     logprobs += upd.logprobs
                     top += upd.top_logprobs
@@ -120,6 +124,7 @@ class Generation:
                 usage = Usage(len(req.prompt_ids), num_out, req.num_cached_prompt_tokens)
                 yield Delta(tokens, delta, logprobs, top, upd.finish_reason, usage)
         finally:  # client cancel, disconnect or deadline: free its KV
+            self.backlog.close(updates)
             if not finished:
                 self.table.abort(req.rid)
                 if trace is not None:

@@ -35,12 +35,17 @@ class ServerOptions:
     reflection: bool = True
     # a second, plaintext port serving only grpc.health.v1 (the kubelet's gRPC probes speak no TLS)
     health_port: int | None = None
+    # a router's tokens generated and not yet taken by their clients, all streams together: past it the
+    # stream holding most is cancelled (router.backlog)
+    max_unsent_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.max_streams_per_connection < 1:
             raise ValueError(f"--max-streams-per-connection must be >= 1, got {self.max_streams_per_connection}")
         if self.health_port is not None and not 0 <= self.health_port < 65536:
             raise ValueError(f"--health-port must be in [0, 65536), got {self.health_port}")
+        if self.max_unsent_tokens < 1:
+            raise ValueError(f"--max-unsent-tokens must be >= 1, got {self.max_unsent_tokens}")
 
 
 def grpc_address(host: str, port: int) -> str:
