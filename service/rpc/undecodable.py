@@ -47,17 +47,22 @@ def _unary(inner: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]
     return behaviour
 
 
+async def _relay(out: Any) -> AsyncIterator[Any]:
+    """A streaming behaviour's answer: an async generator's items, or a coroutine that writes with
+    ``context.write`` itself (health's Watch) run to its end."""
+    if inspect.isasyncgen(out):
+        async for item in out:
+            yield item
+    else:
+        await out
+
+
 def _server_streaming(inner: Callable[..., Any]) -> Callable[..., AsyncIterator[Any]]:
-    """Around an async generator, or a coroutine that writes with ``context.write`` (health's Watch)."""
     async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         if isinstance(request, Undecodable):
             await _refuse(request, context)
-        out = inner(request, context)
-        if inspect.isasyncgen(out):
-            async for item in out:
-                yield item
-        else:
-            await out
+        async for item in _relay(inner(request, context)):
+            yield item
     return behaviour
 
 
@@ -65,12 +70,8 @@ def _client_streaming(inner: Callable[..., Any], streams_out: bool) -> Callable[
     """Around a behaviour over a request iterator: a parse error escaping it ends the call INVALID_ARGUMENT."""
     async def stream_out(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            out = inner(requests, context)
-            if inspect.isasyncgen(out):
-                async for item in out:
-                    yield item
-            else:
-                await out
+            async for item in _relay(inner(requests, context)):
+                yield item
         except DecodeError as exc:
             await _refuse(Undecodable(str(exc)), context)
 
