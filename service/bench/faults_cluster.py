@@ -16,19 +16,9 @@ import grpc
 
 from ...proto.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from ..rpc.engine_process import read_address, stop_process
-from .servers import free_port
+from .servers import free_port, rss_mib
 
 START_TIMEOUT = 120.0
-
-
-def rss_mib(pid: int) -> float:
-    """The process's resident set (``VmRSS`` of ``/proc/PID/status``) in MiB; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0.0
-    return kib / 1024
 
 
 @dataclass

@@ -19,15 +19,13 @@ process: alive at the end (a crash otherwise) and RSS growth over the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,10 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ...engine.config import SchedulerConfig
 from ...proto.v1 import engine_pb2, engine_pb2_grpc
 from ..cli.engine_args import add_engine_args, engine_kwargs
-from ..rpc.engine_process import engine_flags, read_address, stop_process
+from ..rpc.engine_process import engine_flags
 from ..rpc.grpc_executor import TransportError
 from . import fuzz_probes as probes
-from .servers import free_port
+from .servers import child, free_port, rss_mib
 
 if TYPE_CHECKING:  # hypothesis comes with the test extra: imported when the bench runs, not by the CLI
     from hypothesis.strategies import SearchStrategy
@@ -80,24 +78,6 @@ def fuzz_kind(strategy: SearchStrategy[T], probe: Callable[[T], probes.Reply], b
 
         one()
     return replies
-
-
-@contextlib.contextmanager
-def _process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """``modeserve <args>`` on a free loopback port: the process and its address."""
-    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args, "--host", "127.0.0.1", "--port", "0",
-                             "--grace-period", "5"], stdout=subprocess.PIPE, text=True)
-    try:
-        yield proc, read_address(proc, args[0], 300)
-    finally:
-        stop_process(proc)
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise ValueError(f"no VmRSS for process {pid}")
 
 
 def _router_idle(metrics_url: str, timeout: float = 30.0) -> bool:
@@ -195,7 +175,7 @@ def _engine_phase(address: str, budget: Budget, base_seed: int, expect: list[int
 
 def _process_report(proc: subprocess.Popen[str], rss_start: float) -> dict[str, Any]:
     alive = proc.poll() is None
-    rss_end = _rss_mib(proc.pid) if alive else 0.0
+    rss_end = rss_mib(proc.pid) if alive else 0.0
     return {"alive": alive, "rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1),
             "rss_growth_mib": round(rss_end - rss_start, 1) if alive else None}
 
@@ -210,13 +190,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine_args = engine_kwargs(args)
         expect = _greedy_reference(model, args.witness_tokens, engine_args)
         http_port, metrics_port = free_port(), free_port()
-        with _process("engine", "--model", model, *engine_flags(engine_args)) as (engine, engine_address), \
-                _process("router", "--engines", engine_address, "--http-port", str(http_port),
-                         "--metrics-port", str(metrics_port),
-                         *engine_flags(engine_args, (SchedulerConfig,))) as (router, router_address):
+        with child("engine", "--model", model, "--grace-period", "5", *engine_flags(engine_args),
+                   start_timeout=300) as (engine, engine_address), \
+                child("router", "--engines", engine_address, "--http-port", str(http_port),
+                      "--metrics-port", str(metrics_port), "--grace-period", "5",
+                      *engine_flags(engine_args, (SchedulerConfig,)), start_timeout=300) as (router, router_address):
             with grpc.insecure_channel(router_address) as channel:
                 probes.generate_greedy(channel, WITNESS_PROMPT, 1)  # warm up before the first RSS reading
-            rss = {"engine": _rss_mib(engine.pid), "router": _rss_mib(router.pid)}
+            rss = {"engine": rss_mib(engine.pid), "router": rss_mib(router.pid)}
             front = _router_phase(router_address, f"http://127.0.0.1:{http_port}", budget, args.seed, expect)
             front["router_idle_after"] = _router_idle(f"http://127.0.0.1:{metrics_port}/metrics")
             back = _engine_phase(engine_address, budget, args.seed, expect)

@@ -20,17 +20,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rss_mib(pid: int) -> float:
+    """The process's resident set (``VmRSS`` of ``/proc/PID/status``) in MiB; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return kib / 1024
+
+
 @contextlib.contextmanager
-def spawn(*args: str, env: dict[str, str] | None = None, start_timeout: float = 600.0) -> Iterator[str]:
+def child(*args: str, env: dict[str, str] | None = None,
+          start_timeout: float = 600.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """Run ``modeserve <args>`` (which must take ``--port 0``; ``serve`` and ``router`` without the HTTP
-    API unless ``args`` name an ``--http-port``) and yield its ``127.0.0.1:PORT``."""
+    API unless ``args`` name an ``--http-port``) and yield the process and its ``127.0.0.1:PORT``."""
     http = [] if args[0] == "engine" or "--http-port" in args else ["--http-port", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args, *http, "--host", "127.0.0.1",
                              "--port", "0"], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
-        yield read_address(proc, args[0], start_timeout)
+        yield proc, read_address(proc, args[0], start_timeout)
     finally:
         stop_process(proc)
+
+
+@contextlib.contextmanager
+def spawn(*args: str, env: dict[str, str] | None = None, start_timeout: float = 600.0) -> Iterator[str]:
+    """``child``, yielding only the address."""
+    with child(*args, env=env, start_timeout=start_timeout) as (_, address):
+        yield address
 
 
 @contextlib.contextmanager
