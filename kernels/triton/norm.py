@@ -24,18 +24,26 @@ def _normalize(xf, w_ptr, cols, mask, D, eps, x_dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr,
-    x_stride_t, x_stride_h, out_stride_t, out_stride_h,
-    D, eps,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
+def _load_row(x_ptr, x_stride_t, x_stride_h, D, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Both kernels' start: the PDL prologue, then this program's row of x (in x's dtype, 0 past D), its
+    token and head, and its columns with their mask."""
     pdl_prologue(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + cols, mask=mask, other=0.0)
+    return x, t, h, cols, mask
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr,
+    x_stride_t, x_stride_h, out_stride_t, out_stride_h,
+    D, eps,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    x, t, h, cols, mask = _load_row(x_ptr, x_stride_t, x_stride_h, D, BLOCK, USE_PDL)
     out = _normalize(x.to(tl.float32), w_ptr, cols, mask, D, eps, x.dtype)
     tl.store(out_ptr + t * out_stride_t + h * out_stride_h + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -47,15 +55,10 @@ def _add_rms_norm_kernel(
     D, eps,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    x, t, h, cols, mask = _load_row(x_ptr, x_stride_t, x_stride_h, D, BLOCK, USE_PDL)
     r = tl.load(r_ptr + t * r_stride_t + h * r_stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     res_dtype = r_out_ptr.dtype.element_ty
-    res = (x + r).to(res_dtype)  # the sum is rounded before it is normalised, as in the reference
+    res = (x.to(tl.float32) + r).to(res_dtype)  # the sum is rounded before it is normalised, as in the reference
     out_offs = t * out_stride_t + h * out_stride_h + cols
     tl.store(r_out_ptr + out_offs, res, mask=mask)
     out = _normalize(res.to(tl.float32), w_ptr, cols, mask, D, eps, res_dtype)
