@@ -40,16 +40,24 @@ def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, num_chunks,
 
 
 @triton.jit
-def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, into_ptr, at_ptr, num_chunks,
-                       BLOCK: tl.constexpr, SCATTER: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
+def first_of_chunk_maxima(val_ptr, idx_ptr, row, num_chunks, BLOCK: tl.constexpr):
+    """A chunked argmax's second pass for one row: of the ``num_chunks`` (<= BLOCK) chunk maxima at
+    ``val_ptr`` and their indices at ``idx_ptr`` (both [rows, num_chunks]), the index of the first
+    maximum (int32)."""
     lanes = tl.arange(0, BLOCK)
     mask = lanes < num_chunks
     v = tl.load(val_ptr + row * num_chunks + lanes, mask=mask, other=float("-inf"))
     i = tl.load(idx_ptr + row * num_chunks + lanes, mask=mask, other=2147483647)
     m = tl.max(v, axis=0)
-    best = tl.min(tl.where(v == m, i, 2147483647), axis=0).to(tl.int64)
+    return tl.min(tl.where(v == m, i, 2147483647), axis=0)
+
+
+@triton.jit
+def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, into_ptr, at_ptr, num_chunks,
+                       BLOCK: tl.constexpr, SCATTER: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    best = first_of_chunk_maxima(val_ptr, idx_ptr, row, num_chunks, BLOCK).to(tl.int64)
     tl.store(out_ptr + row, best)
     if SCATTER:
         tl.store(into_ptr + tl.load(at_ptr + row), best)

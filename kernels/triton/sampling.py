@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import sampling
+from .argmax import first_of_chunk_maxima
 
 CHUNK = 4096  # ranks per program
 BLOCK = 1024  # ranks per iteration
@@ -129,12 +130,7 @@ def _chunk_draw_kernel(x_ptr, ids_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr
 def _row_pick_kernel(ids_ptr, best_ptr, rank_ptr, out_ptr, stride_ids, num_chunks, CHUNKS_POW2: tl.constexpr):
     """One program per row: the first maximum among the chunks' maxima, and its vocab id."""
     row = tl.program_id(0).to(tl.int64)
-    chunks = tl.arange(0, CHUNKS_POW2)
-    inside = chunks < num_chunks
-    best = tl.load(best_ptr + row * num_chunks + chunks, mask=inside, other=float("-inf"))
-    rank = tl.load(rank_ptr + row * num_chunks + chunks, mask=inside, other=2147483647)
-    m = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == m, rank, 2147483647), axis=0)
+    first = first_of_chunk_maxima(best_ptr, rank_ptr, row, num_chunks, CHUNKS_POW2)
     tl.store(out_ptr + row, tl.load(ids_ptr + row * stride_ids + first))
 
 
