@@ -15,6 +15,19 @@ from .model_config import parse_model_config
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
           "rms_norm_eps": 1e-5, "hidden_act": "silu"}
 
+
+def _llama3(hidden_size: int, intermediate_size: int, num_hidden_layers: int, head_dim: int, rope_factor: float,
+            tie_word_embeddings: bool) -> dict[str, Any]:
+    """A Llama 3 config: 128256-token vocabulary, 32 query and 8 KV heads, 128k positions, llama3 RoPE scaling
+    of ``rope_factor`` over the original 8k."""
+    return {**_LLAMA, "vocab_size": 128256, "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+            "num_hidden_layers": num_hidden_layers, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": head_dim, "max_position_embeddings": 131072, "tie_word_embeddings": tie_word_embeddings,
+            "rope_scaling": {"rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "rope_theta": 500000.0}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {**_LLAMA, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
@@ -22,18 +35,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {**_LLAMA, "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 2048,
               "rope_theta": 10000.0, "tie_word_embeddings": False},
-    "llama-3.2-1b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
-                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                     "rope_theta": 500000.0},
-    "llama-3.1-8b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                     "max_position_embeddings": 131072, "tie_word_embeddings": False,
-                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                     "rope_theta": 500000.0},
+    "llama-3.2-1b": _llama3(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                            rope_factor=32.0, tie_word_embeddings=True),
+    "llama-3.1-8b": _llama3(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+                            rope_factor=8.0, tie_word_embeddings=False),
     "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
                    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
