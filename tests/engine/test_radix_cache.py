@@ -29,6 +29,13 @@ def make(ps: int, num_pages: int = 64) -> tuple[PagePool, RadixCache]:
     return pool, RadixCache(pool)
 
 
+def insert_new(pool: PagePool, cache: RadixCache, tokens: list[int]) -> list[int]:
+    """Fresh slots for ``tokens``, inserted into a cache that holds none of their pages yet: the slots."""
+    kv = own(pool, len(tokens))
+    assert cache.insert(tokens, kv) == 0
+    return kv
+
+
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 def test_empty_cache(ps: int) -> None:
     _, cache = make(ps)
@@ -43,8 +50,7 @@ def test_empty_cache(ps: int) -> None:
 def test_match_after_insert(ps: int) -> None:
     pool, cache = make(ps)
     t = toks(ps, 1, 2, 3)
-    kv = own(pool, len(t))
-    assert cache.insert(t, kv) == 0
+    kv = insert_new(pool, cache, t)
     assert cache.num_cached_pages == 3 and cache.num_evictable_pages == 3
     m = cache.match_prefix(t + toks(ps, 4))
     assert m.kv_locs == kv
@@ -57,8 +63,7 @@ def test_match_after_insert(ps: int) -> None:
 def test_partial_page_truncation(ps: int) -> None:
     pool, cache = make(ps)
     t = toks(ps, 1, 2, 3)[: 3 * ps - 1] if ps > 1 else toks(ps, 1, 2)
-    kv = own(pool, len(t))
-    assert cache.insert(t, kv) == 0
+    kv = insert_new(pool, cache, t)
     assert cache.num_cached_pages == 2
     pool.free(pool.pages_of(kv[2 * ps :]))  # the partial last page stays the caller's
     assert cache.match_prefix(t).kv_locs == kv[: 2 * ps]
@@ -93,8 +98,7 @@ def test_split_on_divergence(ps: int) -> None:
 def test_insert_returns_duplicate_count(ps: int) -> None:
     pool, cache = make(ps)
     t = toks(ps, 1, 2, 3)
-    kv = own(pool, len(t))
-    assert cache.insert(t, kv) == 0
+    kv = insert_new(pool, cache, t)
     dup = own(pool, len(t))
     assert cache.insert(t, dup) == 3 * ps
     pool.free(pool.pages_of(dup))
