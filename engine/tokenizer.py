@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import transformers
 from transformers import AutoTokenizer
 
+from .models.model_path import checked_model_path
+
 _log = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Special tokens that end an assistant turn in well-known chat templates.
@@ -174,12 +176,8 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
 
     Raises ValueError for a missing path or a file that is not ``.gguf``.
     """
-    p = Path(model_path).expanduser()
-    if not p.exists():
-        raise ValueError(f"model path {str(p)!r} does not exist")
+    p = checked_model_path(model_path)
     if p.is_file():
-        if p.suffix != ".gguf":
-            raise ValueError(f"model file {str(p)!r} is not a .gguf file")
         return Tokenizer(_load_gguf_tokenizer(p), name=p.stem)
     if not any((p / f).is_file() for f in _TOKENIZER_FILES):
         return None

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from .gguf_loader import iter_gguf_tensors, read_gguf_checkpoint
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, parse_model_config
+from .model_path import checked_model_path
 from ...kernels.op_set import TORCH_OPS, KernelOps
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,12 +43,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     """``load_format`` ``dummy``: only the folder's config.json is read; weights are random."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ValueError(f"model path {str(p)!r} does not exist")
+    p = checked_model_path(path, "; give a GGUF file or a Hugging Face folder")
     if p.is_file():
-        if p.suffix != ".gguf":
-            raise ValueError(f"model file {str(p)!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
         ckpt = read_gguf_checkpoint(p)
         return Checkpoint(p, parse_model_config(ckpt.config, name=p.stem), True, 0)
     cfg_file = p / "config.json"
