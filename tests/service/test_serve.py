@@ -48,6 +48,14 @@ def generate_all(client: GenerateClient, prompts: list[list[int]], max_new: int)
                              prompts))
 
 
+def exact_streams(client: GenerateClient, tiny_model: Path, prompts: list[list[int]], max_new: int) -> list[Completion]:
+    """``generate_all``, each stream's tokens checked against greedy ``LLM.generate`` (run first): the completions."""
+    expect = reference(tiny_model, prompts, max_new)
+    outs = generate_all(client, prompts, max_new)
+    assert [o.token_ids for o in outs] == expect
+    return outs
+
+
 def wait_idle(app: RouterApp, timeout: float = 10.0) -> None:
     """The KV pool returns to its idle size: every page free or evictable, no request running."""
     sched = app.loops[0].scheduler
@@ -74,9 +82,7 @@ def test_streamed_greedy_equals_llm_generate(app: RouterApp, client: GenerateCli
 def test_64_concurrent_streams_all_complete_and_correct(app: RouterApp, client: GenerateClient,
                                                          tiny_model: Path) -> None:
     prompts = mixed_prompts(64, COMMON["vocab_size"], seed=6, max_len=40)
-    expect = reference(tiny_model, prompts, 8)
-    outs = generate_all(client, prompts, 8)
-    assert [o.token_ids for o in outs] == expect
+    outs = exact_streams(client, tiny_model, prompts, 8)
     assert all(o.finish_reason == "length" for o in outs)
     wait_idle(app)
 
@@ -186,9 +192,7 @@ def test_preemption_under_load_keeps_streams_exact(tiny_model: Path, overlap: bo
     c = GenerateClient(f"127.0.0.1:{tight.port}")
     try:
         prompts = mixed_prompts(16, COMMON["vocab_size"], seed=7, max_len=40)
-        expect = reference(tiny_model, prompts, 12)
-        outs = generate_all(c, prompts, 12)
-        assert [o.token_ids for o in outs] == expect
+        exact_streams(c, tiny_model, prompts, 12)
         assert tight.loops[0].scheduler.stats.num_retractions > 0
         wait_idle(tight)
     finally:
