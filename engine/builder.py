@@ -36,7 +36,8 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
         check_draft(ckpt, tokenizer, draft, load_tokenizer(draft.path) if draft.path != ckpt.path else tokenizer)
     sched = config.scheduler
     runner = ModelRunner(config.runner, ckpt, progress, draft,
-                         sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0)
+                         sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0,
+                         (sched.speculative_ngram_min, sched.speculative_ngram_max))
     return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)))
 
 

@@ -6,6 +6,7 @@ model -> logits of the sampling rows -> sample. It keeps no scheduling state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable
@@ -13,12 +14,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..config import RunnerConfig
+from ..config import RunnerConfig, SchedulerConfig
 from ..forward_batch import ForwardBatch, ForwardResult
 from ..forward_mode import ForwardMode
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
 from . import sampler, spec_accept
+from .chained_verify import ChainedVerify, chained_rows
 from .cuda_graph_runner import CudaGraphRunner
 from .draft_model import DraftModel
 from .host_io import PendingResult, upload
@@ -47,10 +49,13 @@ VERIFY_GRAPH_MAX_BS = 64  # TARGET_VERIFY (and draft DECODE) graphs: speculation
 
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
-                 draft: Checkpoint | None = None, verify_queries: int = 0) -> None:
+                 draft: Checkpoint | None = None, verify_queries: int = 0,
+                 ngram: tuple[int, int] | None = None) -> None:
         """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``).
         ``verify_queries``: k + 1 with speculative decoding (TARGET_VERIFY steps of k drafts a request
-        replay graphs; other verify steps run eagerly), 0 without."""
+        replay graphs; other verify steps run eagerly), 0 without. ``ngram``: (min, max) suffix of the
+        n-gram drafts of chained verify rows, made on the device (``chained_verify``); default: those
+        of ``SchedulerConfig`` (a router's scheduler may speculate over an engine started without)."""
         self.cfg = cfg
         self.verify_queries = verify_queries
         self.model_config = ckpt.config
@@ -62,8 +67,12 @@ class ModelRunner:
         self._graph_bucket: int | None = None  # the bucket the step being launched replays (None: eager)
         self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
         self._input_ids: torch.Tensor | None = None  # the eager step's input ids (on the device)
+        self._positions: torch.Tensor | None = None  # a verify step's positions (on the device)
+        self._chained = False  # the step being launched has chained verify rows
         self._init_model(ckpt, progress)
         self._init_memory()
+        self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
+                                                             SchedulerConfig.speculative_ngram_max)))
         self._init_attention()
         self._init_cuda_graphs(progress)
         self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
@@ -167,21 +176,23 @@ class ModelRunner:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
         rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
+        chained = chained_rows(batch)
+        self._chained = chained is not None
         graphs, bucket = self._graphs_for(batch), None
         if graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
             bucket = graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if graphs is not None and bucket is not None:
-            return self._replay(batch, graphs, bucket)
+            return self._replay(batch, graphs, bucket, chained)
         sample_idx_np = batch.sample_token_index()  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
-        self.slots.record(rows, positions, out_cache_loc, input_ids)
-        inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
+        inputs = self._record(batch, chained, rows, positions, out_cache_loc, input_ids, req_pool, seq_lens)
         input_ids = self._drafted(batch, input_ids, out_cache_loc, req_pool, rows, positions)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed()
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
+        self._positions = positions
         pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
         if pieces is not None and bucket is not None:  # the model in captured pieces, attention eager
@@ -191,6 +202,26 @@ class ModelRunner:
         if self.draft is not None and batch.forward_mode.traits.is_extend:
             self.draft.extend(input_ids, positions, inputs)  # DRAFT_EXTEND: the draft's keys of these tokens
         return self.model.compute_logits(hidden[sample_idx])
+
+    def _record(self, batch: ForwardBatch, chained: np.ndarray | None, rows: torch.Tensor, positions: torch.Tensor,
+                out_cache_loc: torch.Tensor, input_ids: torch.Tensor, req_pool: torch.Tensor,
+                seq_lens: torch.Tensor) -> AttentionInputs:
+        """Record the step's tokens in the slot table (chained verify rows resolved first, and drafted
+        after: ``chained_verify``); the step's attention inputs. An attention backend that plans on the
+        host gets the chained rows' lengths from the device (the one wait for it here)."""
+        if chained is None:
+            self.slots.record(rows, positions, out_cache_loc, input_ids)
+            return self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
+        rows_c = self.chained.shift(batch, chained, positions, seq_lens, out_cache_loc)
+        self.slots.record(rows, positions, out_cache_loc, input_ids)
+        self.chained.draft(rows_c, int(batch.seq_lens.max()), positions, input_ids)
+        inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
+        if self.attn.reads_lengths_on_device(inputs):
+            return inputs
+        back = np.zeros(batch.batch_size, dtype=np.int64)
+        assert rows_c.back is not None
+        back[rows_c.rows.cpu().numpy()] = rows_c.back.cpu().numpy()
+        return dataclasses.replace(inputs, prefix_lens_cpu=(batch.prefix_lens - back).tolist())
 
     def _attention_inputs(self, batch: ForwardBatch, req_pool: torch.Tensor, seq_lens: torch.Tensor,
                           out_cache_loc: torch.Tensor) -> AttentionInputs:
@@ -226,7 +257,8 @@ class ModelRunner:
             return None
         return self.verify_graphs
 
-    def _replay(self, batch: ForwardBatch, graphs: CudaGraphRunner, bucket: int) -> torch.Tensor:
+    def _replay(self, batch: ForwardBatch, graphs: CudaGraphRunner, bucket: int,
+                chained: np.ndarray | None = None) -> torch.Tensor:
         """A graph step (``graphs.q`` queries a request, every query samples): the rows go straight into
         the graph's static buffer, the tokens are recorded there in place (a verify step's drafts
         written in by the draft model first, if any), then the bucket replays."""
@@ -234,15 +266,16 @@ class ModelRunner:
         rows = graphs.upload(batch.forward_mode, bucket, [
             batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
         token_rows = rows.req_pool_indices if graphs.q == 1 else rows.req_pool_indices.repeat_interleave(graphs.q)
-        self.slots.record(token_rows, rows.positions, rows.out_cache_loc, rows.input_ids)
+        inputs = self._record(batch, chained, token_rows, rows.positions, rows.out_cache_loc, rows.input_ids,
+                              rows.req_pool_indices, rows.seq_lens)
         drafted = self._drafted(batch, rows.input_ids, rows.out_cache_loc, rows.req_pool_indices, token_rows,
                                 rows.positions)
         if drafted is not rows.input_ids:  # a decode step copies nothing
             rows.input_ids.copy_(drafted)
-        self.attn.init_replay(self._attention_inputs(batch, rows.req_pool_indices, rows.seq_lens, rows.out_cache_loc),
-                              bucket)
+        self.attn.init_replay(inputs, bucket)
         self._mark_inputs_consumed()
         self._input_ids = rows.input_ids  # a verify step's drafts, which its acceptance reads
+        self._positions = rows.positions
         if graphs.q == 1 and batch.sample_mask.all():
             self._sample_slots = rows.req_pool_indices
         return graphs.replay(bucket, batch.batch_size)
@@ -280,6 +313,9 @@ class ModelRunner:
                 return self._accept(batch, next_ids, [])
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
         st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
+        if self._chained:  # chained rows' positions are known on the device only
+            assert self._positions is not None
+            st = dataclasses.replace(st, positions=self._positions + 1)
         logits = logits.float()  # sampling and log-probabilities in fp32 (greedy needs no conversion)
         raw = logits
         if st.any_penalties:
@@ -313,6 +349,9 @@ class ModelRunner:
         assert self._input_ids is not None  # the verify step's tokens, drafts included
         accepted = spec_accept.accepted_in_runs(next_ids, self._input_ids, runs, starts_dev)
         self.slots.last_token[slots] = next_ids[starts_dev + accepted]
+        assert self._positions is not None
+        # the drafts kept and the target's token after them: where a chained next step starts
+        self.slots.fill_len[slots] = self._positions[starts_dev] + accepted + 2
         bucket = self._graph_bucket
 
         def build(h: list[np.ndarray]) -> ForwardResult:

@@ -32,6 +32,9 @@ class SlotState:
         self.token_ids = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
         # [max_reqs]: the token each slot sampled last; resolves input id -1 (overlap placeholders)
         self.last_token = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        # [max_reqs]: a slot's token count after its last TARGET_VERIFY step (chained verify rows start
+        # from it: ``chained_verify``)
+        self.fill_len = torch.zeros(max_reqs, dtype=torch.int64, device=device)
         self.temperature = np.ones(max_reqs, dtype=np.float32)
         self.top_p = np.ones(max_reqs, dtype=np.float32)
         self.top_k = np.full(max_reqs, -1, dtype=np.int64)

@@ -83,6 +83,8 @@ class Scheduler:
         self.rng = random.Random(cfg.random_seed)
         self.step_no = 0
         self.drafter = make_drafter(cfg, max_context)
+        # per request, the drafts of each of its TARGET_VERIFY steps in flight (two: the second chained)
+        self._verifying: dict[Req, list[int]] = {}
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -135,8 +137,11 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledStep | None:
         self.step_no += 1
-        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)
-                   and not (self.drafter is not None and PLACEHOLDER in r.output_ids[-1:])]  # one verify at a time
+        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)]
+        verifies = decodes
+        if self.drafter is not None:  # a request whose step is in flight verifies again only chained
+            verifies = [r for r in decodes if PLACEHOLDER not in r.output_ids[-1:] or self._may_chain(r)]
+            decodes = [r for r in decodes if PLACEHOLDER not in r.output_ids[-1:]]
         extends: list[_Item] = []
         chunk = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
         can_prefill = bool(self.waiting) or any(not r.prefill_done for r in self.running)
@@ -150,8 +155,8 @@ class Scheduler:
             extends = self._take_prefill(chunk, keep_free_pages=len(decodes))
             if extends:
                 return self._build(extends, [])
-        if decodes and self.drafter is not None:
-            return self._build_verify(decodes)
+        if verifies and self.drafter is not None:
+            return self._build_verify(verifies)
         if decodes:
             return self._build([], self._reserve_decode(decodes))
         if any(not r.prefill_done for r in self.running):
@@ -159,6 +164,14 @@ class Scheduler:
             self._retract(self.running[-1])
             return self._schedule()
         return None
+
+    def _may_chain(self, req: Req) -> bool:
+        """Whether ``req``'s next verify step may be built now, while its last one (its only step in flight)
+        runs: n-gram drafts, and context for the case that step keeps all its drafts."""
+        assert self.drafter is not None
+        in_flight = self._verifying.get(req, [])
+        return (self.drafter.chains and len(in_flight) == 1 and req.output_ids[-1:] == [PLACEHOLDER]
+                and req.fill_len + in_flight[0] + self.drafter.k <= self.max_context)
 
     def _may_decode(self, req: Req) -> bool:
         """False once the tokens sampled so far (incl. in flight) reach a length limit."""
@@ -234,17 +247,21 @@ class Scheduler:
         req.req_pool_idx = -1
         req.prefill_done = False
 
-    def _build(self, extends: list[_Item], decodes: list[Req],
-               drafts: list[list[int]] | None = None) -> ScheduledStep | None:
+    def _build(self, extends: list[_Item], decodes: list[Req], drafts: list[list[int]] | None = None,
+               chained: list[bool] | None = None) -> ScheduledStep | None:
         """The step's batch; with ``drafts`` (one list a decode) a TARGET_VERIFY step, in which one
-        placeholder a request stands for the run of tokens it emits."""
+        placeholder a request stands for the run of tokens it emits (``chained``: the requests whose
+        last verify step is still in flight, ``verify_arrays``)."""
         if not extends and not decodes:
             return None
         mode = determine_forward_mode(len(extends), len(decodes)) if drafts is None else ForwardMode.TARGET_VERIFY
         reqs = tuple([it.req for it in extends] + decodes)
         arrays: dict[str, Any]  # ForwardBatch's array fields
         if drafts is not None:
-            arrays = verify_arrays(decodes, drafts)
+            ahead = [self._verifying[r][0] if c else 0 for r, c in zip(decodes, chained or [False] * len(decodes))]
+            arrays = verify_arrays(decodes, drafts, ahead)
+            for r, d in zip(decodes, drafts):
+                self._verifying.setdefault(r, []).append(len(d))
         elif extends:
             arrays = self._extend_arrays(extends + [_Item(r, r.num_computed - 1, 1) for r in decodes])
         else:  # a decode step (one step a few milliseconds, every request in it): plain lists
@@ -281,17 +298,20 @@ class Scheduler:
     def _build_verify(self, decodes: list[Req]) -> ScheduledStep | None:
         """A TARGET_VERIFY step: each decoding request's last token and its drafts (a plain DECODE step,
         which replays CUDA graphs, when no request has a draft)."""
-        assert self.drafter is not None
-        proposals = {r.rid: self.drafter.propose(r) for r in decodes}
+        drafter = self.drafter
+        assert drafter is not None
+        chain = {r for r in decodes if PLACEHOLDER in r.output_ids[-1:]}  # the engine drafts for these
+        proposals = {r: [PLACEHOLDER] * drafter.k if r in chain else drafter.propose(r) for r in decodes}
         if not any(proposals.values()):
             return self._build([], self._reserve_decode(decodes))
-        proposals = {r.rid: self.drafter.fill(r, proposals[r.rid]) for r in decodes}
-        reqs = self._reserve_decode(decodes, [1 + len(proposals[r.rid]) for r in decodes])
-        drafts = [proposals[r.rid] for r in reqs]
-        step = self._build([], reqs, drafts)
+        proposals = {r: d if r in chain else drafter.fill(r, d) for r, d in proposals.items()}
+        reqs = self._reserve_decode(decodes, [1 + len(proposals[r]) for r in decodes])
+        drafts = [proposals[r] for r in reqs]
+        step = self._build([], reqs, drafts, [r in chain for r in reqs])
         if step is not None:
             self.stats.spec_verify_steps += 1
             self.stats.spec_draft_tokens += sum(map(len, drafts))
+            self.stats.spec_chained_rows += sum(r in chain for r in reqs)
         return step
 
     @staticmethod
@@ -346,13 +366,20 @@ class Scheduler:
         ext = step.batch.extend_lens.tolist()
         start = 0
         for sample, kept, length in zip(step.samples, result.accepted_lengths.tolist(), ext):
-            req, at, first_row = sample.req, sample.output_index, start
+            req, first_row = sample.req, start
             start += length
+            in_flight = self._verifying.pop(req)
+            if len(in_flight) > 1:  # a chained step of req's is in flight still
+                self._verifying[req] = in_flight[1:]
+            self.stats.record_acceptance(kept)  # every row that ran (a chained one may follow its request's end)
             if req.finished:
                 continue
-            self.stats.record_acceptance(kept)
-            if req.status == ReqStatus.RUNNING:
-                self.kv.truncate(req, len(req.prompt_ids) + at + kept)
+            # this step's placeholder: the first of the request's in flight (the runs of earlier steps
+            # moved it from where it was put)
+            at = len(req.output_ids) - len(in_flight)
+            if req.status == ReqStatus.RUNNING:  # the chained step in flight keeps its slots after them
+                chained_slots = 1 + in_flight[1] if len(in_flight) > 1 else 0
+                self.kv.truncate(req, len(req.prompt_ids) + at + kept + chained_slots)
             run = tokens[first_row : first_row + kept + 1]
             req.output_ids[at : at + 1] = run
             for j in range(len(run)):

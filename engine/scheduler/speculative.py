@@ -16,7 +16,7 @@ import numpy as np
 from ..config import SchedulerConfig
 from ..forward_batch import ForwardBatch
 from ..forward_mode import ForwardMode
-from ..request import Req
+from ..request import PLACEHOLDER, Req
 from .ngram import propose_ngram
 from .stats import ForwardModeStats
 
@@ -24,6 +24,10 @@ from .stats import ForwardModeStats
 class Drafter:
     """The drafts of ``speculative_algorithm="draft"``: k placeholders a request, which the engine's
     draft model fills in the verify step (no more than the request has room for)."""
+
+    # whether a request's next verify step may be built while its last one runs (its drafts made on the
+    # device: ``runner.chained_verify``); the draft model catches up on the host's positions, so not it
+    chains = False
 
     def __init__(self, cfg: SchedulerConfig, max_context: int) -> None:
         self.k = cfg.speculative_num_steps
@@ -47,6 +51,8 @@ class Drafter:
 
 
 class NgramDrafter(Drafter):
+    chains = True
+
     def __init__(self, cfg: SchedulerConfig, max_context: int) -> None:
         super().__init__(cfg, max_context)
         self.min_n, self.max_n = cfg.speculative_ngram_min, cfg.speculative_ngram_max
@@ -78,15 +84,20 @@ def record_draft_steps(stats: ForwardModeStats, batch: ForwardBatch) -> None:
             stats.record(ForwardMode.DECODE, rows, rows)
 
 
-def verify_arrays(reqs: Sequence[Req], drafts: Sequence[list[int]]) -> dict[str, Any]:
+def verify_arrays(reqs: Sequence[Req], drafts: Sequence[list[int]], ahead: Sequence[int]) -> dict[str, Any]:
     """The array fields of a TARGET_VERIFY batch: request r runs its last token and its drafts at
-    positions ``fill_len - 1 ...`` into the KV slots reserved for them; every request samples."""
-    prefix = np.fromiter((r.fill_len - 1 for r in reqs), dtype=np.int64, count=len(reqs))
+    positions ``fill_len - 1 ...`` into the KV slots reserved for them; every request samples.
+
+    A chained request (``ahead[r]`` > 0) has its last verify step, of ``ahead[r]`` drafts, still in
+    flight (its one placeholder stands for that step's run): its row is sent as if that step kept all
+    its drafts (``ahead[r]`` positions further on, into the slots reserved there), with ids -1 only;
+    the engine moves it to where that step left it (``runner.chained_verify``)."""
+    prefix = np.fromiter((r.fill_len - 1 + a for r, a in zip(reqs, ahead)), dtype=np.int64, count=len(reqs))
     ext = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(reqs))
     ids: list[int] = []
     locs: list[int] = []
-    for r, d, p, e in zip(reqs, drafts, prefix.tolist(), ext.tolist()):
-        ids.append(r.tokens(p, p + 1)[0])
+    for r, d, a, p, e in zip(reqs, drafts, ahead, prefix.tolist(), ext.tolist()):
+        ids.append(PLACEHOLDER if a else r.tokens(p, p + 1)[0])
         ids.extend(d)
         locs.extend(r.kv_locs[p : p + e])
     return {"prefix_lens": prefix, "extend_lens": ext, "sample_mask": np.ones(len(reqs), dtype=bool),

@@ -30,6 +30,7 @@ class ForwardModeStats:
         self.spec_draft_tokens = 0  # drafts proposed to TARGET_VERIFY steps
         self.spec_accepted_tokens = 0  # of those, the ones the target kept
         self.spec_verify_steps = 0
+        self.spec_chained_rows = 0  # verify rows built while the request's last verify step ran (overlap)
         self.spec_acceptance_lengths: dict[int, int] = defaultdict(int)  # tokens a verify emitted for a request -> count
 
     def record_acceptance(self, kept: int) -> None:
@@ -83,5 +84,5 @@ class ForwardModeStats:
             "num_retractions": self.num_retractions,
             "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
             "speculative": {"draft_tokens": self.spec_draft_tokens, "accepted_tokens": self.spec_accepted_tokens,
-                            "verify_steps": self.spec_verify_steps},
+                            "verify_steps": self.spec_verify_steps, "chained_rows": self.spec_chained_rows},
         }

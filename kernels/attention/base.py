@@ -90,6 +90,12 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def init_forward_metadata(self, inputs: AttentionInputs) -> None: ...
 
+    def reads_lengths_on_device(self, inputs: AttentionInputs) -> bool:
+        """Whether this step's attention reads its sequence lengths from ``inputs.seq_lens`` (device) alone,
+        never from the host lists: then a step may carry lengths the device knows first (chained
+        verify rows). False unless a backend says so."""
+        return False
+
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

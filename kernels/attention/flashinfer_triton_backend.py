@@ -43,6 +43,10 @@ class FlashInferTritonAttentionBackend(AttentionBackend):
         self._active = self._for_decode(rows) if queries else self._flashinfer
         self._active.init_forward_metadata(inputs)
 
+    def reads_lengths_on_device(self, inputs: AttentionInputs) -> bool:
+        queries = inputs.uniform_queries
+        return bool(queries) and self._for_decode(len(inputs.extend_lens_cpu) * queries).reads_lengths_on_device(inputs)
+
     def init_capture(self, bs: int, static: GraphInputs) -> None:
         self._active = self._for_decode(bs * static.tokens_per_row)
         self._active.init_capture(bs, static)

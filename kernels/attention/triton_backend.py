@@ -81,6 +81,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._meta = _ExtendMeta(inputs.req_to_token, inputs.req_pool_indices, dev[0], dev[1], dev[2],
                                  max(extend_lens))
 
+    def reads_lengths_on_device(self, inputs: AttentionInputs) -> bool:
+        return inputs.uniform_queries > 0  # the decode kernel, eager or in graphs: seq_lens on the device
+
     # ---- CUDA graphs (decode) -----------------------------------------------------------------
     supports_cuda_graph = True
 

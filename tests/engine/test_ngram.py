@@ -51,3 +51,25 @@ def test_bad_bounds_are_value_errors() -> None:
     for k, lo, hi in ((0, 1, 2), (2, 0, 2), (2, 3, 2)):
         with pytest.raises(ValueError, match="ngram drafts"):
             propose_ngram(tokens, k, lo, hi)
+
+
+def test_device_drafts_equal_the_plain_loop_filled() -> None:
+    """``chained_verify.ngram_drafts`` (rows of a padded table, each its own length) against the plain
+    loop, made up to k by repeating the row's last token (what the tokens run into, or nothing found)."""
+    import torch
+
+    from modeserve.engine.runner.chained_verify import ngram_drafts
+
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        k, min_n = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        rows = [rng.integers(0, 4, size=int(rng.integers(1, 41))).tolist() for _ in range(8)]
+        width = max(map(len, rows)) + int(rng.integers(0, 5))
+        table = torch.from_numpy(rng.integers(0, 4, size=(8, width)))  # junk past each row's length
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = torch.tensor(r)
+        got = ngram_drafts(table, torch.tensor([len(r) for r in rows]), k, min_n, max_n).tolist()
+        for r, g in zip(rows, got):
+            want = reference(r, k, min_n, max_n)
+            assert g == want + [r[-1]] * (k - len(want)), (r, k, min_n, max_n)

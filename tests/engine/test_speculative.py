@@ -33,6 +33,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "preempted": dict(page_size=4, kv_cache_tokens=192),
     "k1": dict(speculative_num_steps=1),
     "k5": dict(speculative_num_steps=5),
+    "no_overlap": dict(overlap=False),  # no verify step is built while another runs (none chained)
 }
 
 
@@ -68,6 +69,9 @@ def test_greedy_equals_plain_greedy_and_transformers(arch: tuple[Path, list[list
     spec = stats["speculative"]
     assert stats["mode_distribution"].get("TARGET_VERIFY", 0) == spec["verify_steps"] > 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    # with overlap, n-gram verify steps chain (built while the request's last one runs, drafted on the
+    # device); the draft model's never do
+    assert (spec["chained_rows"] > 0) == (algorithm == "ngram" and variant != "no_overlap")
     if algorithm == "draft":  # the draft's prefill and catch-ups, and its own decode steps (k > 1)
         assert stats["mode_distribution"]["DRAFT_EXTEND"] > spec["verify_steps"]
         assert variant == "k1" or stats["mode_distribution"]["DECODE"] > 0
