@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from . import ops, sampling
+from . import chain_verify, ops, sampling
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -24,6 +24,7 @@ class KernelOps:
     apply_rotary_and_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[..., torch.Tensor]  # (x, into=None, at=None)
     record_tokens: Callable[..., None]
+    chain_verify_rows: Callable[..., None]  # chained TARGET_VERIFY rows resolved (kernels.chain_verify)
     sample_sorted: sampling.SampleSorted  # the sampling step after the sort: filters + seeded Gumbel-max
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
@@ -33,7 +34,8 @@ class KernelOps:
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
-                      ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens, sampling.sample_sorted)
+                      ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens, chain_verify.chain_verify_rows,
+                      sampling.sample_sorted)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -51,11 +53,12 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     # Triton only when chosen: it may be absent, and a CPU engine must not pay for importing it
     from .triton import ops as triton_ops
     from .triton.argmax import argmax
+    from .triton.chain_verify import chain_verify_rows
     from .triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
     from .triton.rotary import store_kv
     from .triton.sampling import sample_sorted
     from .triton.slots import record_tokens
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
-                     store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens,
+                     store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens, chain_verify_rows,
                      sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm)

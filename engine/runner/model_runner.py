@@ -20,7 +20,7 @@ from ..forward_mode import ForwardMode
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
 from . import sampler, spec_accept
-from .chained_verify import ChainedVerify, chained_rows
+from .chained_verify import ChainedVerify, chained_rows, host_prefix_lens
 from .cuda_graph_runner import CudaGraphRunner
 from .draft_model import DraftModel
 from .host_io import PendingResult, upload
@@ -72,7 +72,8 @@ class ModelRunner:
         self._init_model(ckpt, progress)
         self._init_memory()
         self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
-                                                             SchedulerConfig.speculative_ngram_max)))
+                                                             SchedulerConfig.speculative_ngram_max)),
+                                     self.kernel_ops.chain_verify_rows)
         self._init_attention()
         self._init_cuda_graphs(progress)
         self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
@@ -212,16 +213,12 @@ class ModelRunner:
         if chained is None:
             self.slots.record(rows, positions, out_cache_loc, input_ids)
             return self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
-        rows_c = self.chained.shift(batch, chained, positions, seq_lens, out_cache_loc)
+        starts = self.chained.resolve(batch, chained, positions, seq_lens, out_cache_loc, input_ids)
         self.slots.record(rows, positions, out_cache_loc, input_ids)
-        self.chained.draft(rows_c, int(batch.seq_lens.max()), positions, input_ids)
         inputs = self._attention_inputs(batch, req_pool, seq_lens, out_cache_loc)
         if self.attn.reads_lengths_on_device(inputs):
             return inputs
-        back = np.zeros(batch.batch_size, dtype=np.int64)
-        assert rows_c.back is not None
-        back[rows_c.rows.cpu().numpy()] = rows_c.back.cpu().numpy()
-        return dataclasses.replace(inputs, prefix_lens_cpu=(batch.prefix_lens - back).tolist())
+        return dataclasses.replace(inputs, prefix_lens_cpu=host_prefix_lens(batch, starts, positions))
 
     def _attention_inputs(self, batch: ForwardBatch, req_pool: torch.Tensor, seq_lens: torch.Tensor,
                           out_cache_loc: torch.Tensor) -> AttentionInputs:

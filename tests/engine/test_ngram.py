@@ -54,11 +54,11 @@ def test_bad_bounds_are_value_errors() -> None:
 
 
 def test_device_drafts_equal_the_plain_loop_filled() -> None:
-    """``chained_verify.ngram_drafts`` (rows of a padded table, each its own length) against the plain
+    """``kernels.chain_verify.ngram_drafts`` (rows of a padded table, each its own length) against the plain
     loop, made up to k by repeating the row's last token (what the tokens run into, or nothing found)."""
     import torch
 
-    from modeserve.engine.runner.chained_verify import ngram_drafts
+    from modeserve.kernels.chain_verify import ngram_drafts
 
     rng = np.random.default_rng(1)
     for _ in range(40):

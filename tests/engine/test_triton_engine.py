@@ -29,3 +29,21 @@ def test_triton_kernels_greedy_equals_transformers(tmp_path: Path, arch: str, at
         assert o.token_ids == reference_greedy(ref, p, GREEDY.max_new_tokens)
     modes = llm.stats()["mode_distribution"]
     assert modes.get("MIXED", 0) > 0 and modes.get("DECODE", 0) > 0
+
+
+def test_chained_ngram_verify_through_triton_equals_transformers(tmp_path: Path) -> None:
+    """n-gram speculation with overlap through the Triton kernels: chained verify rows resolved by the
+    one-launch kernel and attended by the Triton decode kernel, which reads their lengths on the device
+    (no wait for them)."""
+    from tests.engine.test_speculative import PROMPTS
+
+    folder = make_tiny_model("qwen3", tmp_path / "qwen3")
+    ref = load_reference(folder)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    llm = LLM(model=str(folder), kernel_backend="triton", attention_backend="triton", page_size=4,
+              speculative_algorithm="ngram", speculative_num_steps=3)
+    outs = llm.generate(prompt_token_ids=PROMPTS[:3], sampling_params=sp)
+    for p, o in zip(PROMPTS[:3], outs):
+        assert o.token_ids == reference_greedy(ref, p, sp.max_new_tokens)
+    spec = llm.stats()["speculative"]
+    assert spec["chained_rows"] > 0 and spec["accepted_tokens"] > 0

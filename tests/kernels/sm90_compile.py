@@ -78,7 +78,8 @@ class Recorder:
 
 def _calls() -> None:
     """One call of each kernel wrapper per variant that compiles differently."""
-    from modeserve.kernels.triton import (activation, argmax, attention_decode, attention_extend, gemv, norm, rotary,
+    from modeserve.kernels.triton import (activation, argmax, attention_decode, attention_extend, chain_verify, gemv,
+                                          norm, rotary,
                                           sampling, slots)
 
     bf = torch.bfloat16
@@ -101,6 +102,9 @@ def _calls() -> None:
     f32 = lambda n: torch.ones(n, dtype=torch.float32)  # noqa: E731
     sampling.sample_sorted(logits.float(), torch.zeros(2, 1000, dtype=torch.int64), i64(2), f32(2), f32(2), i64(2), i64(2))
     slots.record_tokens(table, torch.zeros(4, 32, dtype=torch.int64), i64(4), i64(3), i64(3), i64(3), i64(3))
+    for n_range in ((1, 3), (2, 2)):
+        chain_verify.chain_verify_rows(table, torch.zeros(4, 32, dtype=torch.int64), i64(4), i64(4), i64(1), i64(1),
+                                       torch.zeros(1, 5, dtype=torch.int64), i64(5), i64(1), i64(5), i64(5), 32, *n_range)
     cos_sin = torch.randn(64, d, dtype=torch.float32)
     q, k, v = torch.randn(3, hq, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf)
     kc, vc = torch.zeros(slots_n, hkv, d, dtype=bf), torch.zeros(slots_n, hkv, d, dtype=bf)
