@@ -45,13 +45,14 @@ def chain_verify_rows(req_to_token: torch.Tensor, token_ids: torch.Tensor, last_
 
     A row arrives as the all-drafts-kept case: its positions and KV slots (reserved) that far on. Its
     slots are written into ``req_to_token`` there; the row then starts at ``fill_len[slot] - 1``
-    (positions from there, ``seq_lens`` less the shift, KV slots read back from the table); its first id
+    (clamped into the table: a batch that chains a slot with no verify step before stays in bounds;
+    positions from there, ``seq_lens`` less the shift, KV slots read back from the table); its first id
     is ``last_token[slot]`` and its q - 1 drafts are ``ngram_drafts`` over the slot's tokens up to and
     with that first id. The step's ``record_tokens`` runs after."""
     q = tokens.shape[1]
     pos = positions[tokens]  # [C, q]
     req_to_token[slots[:, None], pos] = out_cache_loc[tokens]
-    start = fill_len[slots] - 1
+    start = (fill_len[slots] - 1).clamp(0, req_to_token.shape[1] - q)  # inside the table, whatever a batch says
     back = pos[:, 0] - start
     pos = start[:, None] + torch.arange(q, device=pos.device)
     positions[tokens] = pos

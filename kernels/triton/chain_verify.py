@@ -44,7 +44,7 @@ def _latest_match(token_ids_row, start, first, n: tl.constexpr, BLOCK: tl.conste
 
 @triton.jit
 def _chain_verify_kernel(req_to_token_ptr, token_ids_ptr, last_token_ptr, fill_len_ptr, slots_ptr, rows_ptr,
-                         tokens_ptr, pos_ptr, seq_lens_ptr, loc_ptr, ids_ptr, q, stride_table, stride_ids,
+                         tokens_ptr, pos_ptr, seq_lens_ptr, loc_ptr, ids_ptr, q, max_context, stride_table, stride_ids,
                          MIN_N: tl.constexpr, MAX_N: tl.constexpr, Q_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
@@ -58,7 +58,7 @@ def _chain_verify_kernel(req_to_token_ptr, token_ids_ptr, last_token_ptr, fill_l
     table_row = req_to_token_ptr + slot * stride_table
     tl.store(table_row + host_pos, tl.load(loc_ptr + tok, mask=jm, other=0), mask=jm)  # the reserved slots
     tl.debug_barrier()  # written before they are read back below, at the row's own positions
-    start = tl.load(fill_len_ptr + slot) - 1
+    start = tl.minimum(tl.maximum(tl.load(fill_len_ptr + slot) - 1, 0), max_context - q)  # inside the table
     back = tl.sum(tl.where(j == 0, host_pos, 0), axis=0) - start
     pos = start + j
     tl.store(pos_ptr + tok, pos, mask=jm)
@@ -90,7 +90,7 @@ def chain_verify_rows(req_to_token: torch.Tensor, token_ids: torch.Tensor, last_
     if num_rows == 0:
         return
     _chain_verify_kernel[(num_rows,)](req_to_token, token_ids, last_token, fill_len, slots, rows, tokens, positions,
-                                      seq_lens, out_cache_loc, input_ids, q, req_to_token.stride(0),
+                                      seq_lens, out_cache_loc, input_ids, q, req_to_token.shape[1], req_to_token.stride(0),
                                       token_ids.stride(0), MIN_N=min_n, MAX_N=max_n,
                                       Q_BLOCK=max(16, triton.next_power_of_2(q)), BLOCK=256, num_warps=4,
                                       **pdl_args(input_ids.device))

@@ -81,3 +81,18 @@ def test_chain_verify_rows_refuses_other_dtypes() -> None:
     step[3] = step[3].int()
     with pytest.raises(ValueError, match="int64"):
         chain_verify_rows(*tables, *step, width, 1, 3)
+
+
+def test_a_slot_never_verified_stays_inside_the_table() -> None:
+    """A batch may chain a slot whose fill_len says nothing (0, or past the table): both implementations
+    start it inside the table, at 0 and at the last q positions, and move it alike (its drafts are
+    whatever its junk history gives)."""
+    for fill, want_start in ((0, 0), (10 * WIDTH, WIDTH - 5)):
+        results = []
+        for impl in (chain_verify_rows, chain_verify.chain_verify_rows):
+            tables, step, width = make_step(0, 5)
+            tables[3][step[0]] = fill
+            impl(*tables, *step, width, 1, 3)
+            results.append([t.clone() for t in tables[:1] + step[3:6]])  # table, positions, seq_lens, slots
+            assert step[3][step[2][:, 0]].tolist() == [want_start] * 3
+        assert all(torch.equal(a, b) for a, b in zip(*results))
