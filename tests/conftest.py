@@ -10,6 +10,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Child interpreters the tests start keep the checkout off sys.path too (its kernels/ folder would
+# shadow the `kernels` distribution transformers imports); pytest itself runs with -P and importlib mode.
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 def _cuda_available() -> bool:

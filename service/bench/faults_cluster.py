@@ -6,7 +6,6 @@ a pod goes and comes back."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Iterable, Sequence
 import grpc
 
 from ...proto.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
+from ..python_child import python_argv
 from ..rpc.engine_process import read_address, stop_process
 from .servers import free_port, rss_mib
 
@@ -46,7 +46,7 @@ class Child:
 
     def start(self) -> None:
         engine = self.argv[0] == "engine"
-        argv = [sys.executable, "-m", "modeserve.service.cli", *self.argv, "--host", "127.0.0.1",
+        argv = [*python_argv("-m", "modeserve.service.cli"), *self.argv, "--host", "127.0.0.1",
                 "--port", str(self.port), *(["--exit-on-stdin-eof"] if engine else [])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if engine else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True, env=self.env)

@@ -7,10 +7,10 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 from typing import Any, Iterator
 
 from ...engine.config import SchedulerConfig
+from ..python_child import python_argv
 from ..rpc.engine_process import engine_flags, read_address, stop_process
 
 
@@ -36,7 +36,7 @@ def child(*args: str, env: dict[str, str] | None = None,
     """Run ``modeserve <args>`` (which must take ``--port 0``; ``serve`` and ``router`` without the HTTP
     API unless ``args`` name an ``--http-port``) and yield the process and its ``127.0.0.1:PORT``."""
     http = [] if args[0] == "engine" or "--http-port" in args else ["--http-port", "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args, *http, "--host", "127.0.0.1",
+    proc = subprocess.Popen([*python_argv("-m", "modeserve.service.cli"), *args, *http, "--host", "127.0.0.1",
                              "--port", "0"], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     try:
         yield proc, read_address(proc, args[0], start_timeout)

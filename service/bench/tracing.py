@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..python_child import python_argv
 from ..rpc.grpc_server import freeze_startup_heap
 from .batch import model_folder
 from .decode_step import local_rank, measure_decode
@@ -118,7 +119,7 @@ class _Receiver:
     """A loopback OTLP trace receiver in a process of its own that counts the spans it is sent."""
 
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen(python_argv("-c", _RECEIVER), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         self.port = int(self._proc.stdout.readline())

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Callable
 
 from ...engine.config import RunnerConfig, SchedulerConfig
+from ..python_child import python_argv
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class EngineProcess:
 
     def __init__(self, model: str | None, engine_args: dict[str, Any], env: dict[str, str] | None = None,
                  start_timeout: float = 600.0, on_exit: Callable[[int], None] | None = None) -> None:
-        argv = [sys.executable, "-m", "modeserve.service.cli", "engine", *(["--model", model] if model else []),
+        argv = [*python_argv("-m", "modeserve.service.cli", "engine"), *(["--model", model] if model else []),
                 "--host", "127.0.0.1", "--port", "0", "--exit-on-stdin-eof", *engine_flags(engine_args)]
         # a session of its own: a terminal's Ctrl-C reaches the parent only, which drains, then stops it
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,

@@ -21,6 +21,7 @@ from typing import IO, Mapping
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from ..python_child import python_argv
 from .otel_env import export_environment, process_resource
 from .span_record import SdkSink, SpanRecord, from_wire, to_wire
 
@@ -62,7 +63,7 @@ class ExportProcess:
     def __init__(self, component: str, dp_rank: int | None, env: Mapping[str, str],
                  max_pending: int = MAX_PENDING) -> None:
         rank = [] if dp_rank is None else [str(dp_rank)]
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, component, *rank], env=export_environment(env),
+        self._proc = subprocess.Popen(python_argv("-m", __name__, component, *rank), env=export_environment(env),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._out, self._replies = self._proc.stdin, self._proc.stdout

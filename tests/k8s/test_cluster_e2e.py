@@ -3,7 +3,7 @@ with a sample EngineSet, send a request through its router, scale 1 -> 2 -> 1 wi
 while streams run, and check that every stream completed with all its tokens.
 
 Run it against kind (see README): MODESERVE_IMAGE=<image loaded into the cluster> KUBECONFIG=... \
-    .venv/bin/python -m pytest -q -m k8s tests/k8s/test_cluster_e2e.py
+    .venv/bin/python -P -m pytest -q -m k8s tests/k8s/test_cluster_e2e.py
 """
 
 from __future__ import annotations
