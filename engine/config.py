@@ -78,6 +78,12 @@ class SchedulerConfig:
     speculative_num_steps: int = 4  # k: draft tokens per request per TARGET_VERIFY step
     speculative_ngram_min: int = 1  # the shortest suffix an n-gram draft matches on
     speculative_ngram_max: int = 3  # the longest (tried first)
+    # split prefill: while requests decode, a prompt of at least split_prefill_min_tokens (a chunk of
+    # it with chunked prefill) runs max(1, split_prefill_token_budget // its tokens) layers a step, a
+    # SPLIT_PREFILL step after each decode step
+    enable_split_prefill: bool = False
+    split_prefill_token_budget: int = 65536  # tokens x layers a SPLIT_PREFILL step
+    split_prefill_min_tokens: int = 4096  # shorter prompts prefill as EXTEND/MIXED steps
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm not in (None, "ngram", "draft"):
@@ -93,6 +99,10 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_ratio must be in (0, 1], got {self.max_prefill_ratio}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.split_prefill_token_budget < 1:
+            raise ValueError(f"split_prefill_token_budget must be >= 1, got {self.split_prefill_token_budget}")
+        if self.split_prefill_min_tokens < 1:
+            raise ValueError(f"split_prefill_min_tokens must be >= 1, got {self.split_prefill_min_tokens}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ scheduler never touches a device tensor and the service can move them as packed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,13 @@ class SlotUpdate:
     token_ids: np.ndarray | None = None  # [n] int64
 
 
+class LayerRange(NamedTuple):
+    """Decoder layers [begin, end) of a SPLIT_PREFILL step."""
+
+    begin: int
+    end: int
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -55,6 +62,10 @@ class ForwardBatch:
     # ranks pad to one bucket, an IDLE rank replays padding only); -1 = eager (a rank cannot use a graph)
     padded_batch_size: int = 0
     trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate of the step
+    split_layers: LayerRange | None = None  # SPLIT_PREFILL only: the layers this step runs
+    # slots whose split prefill ended before its last slice (abort, preemption): the engine drops the
+    # hidden state it keeps for them
+    released_slots: tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -57,7 +57,9 @@ MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
     # is refused (the target would run it as a plain extend)
     ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
     ForwardMode.DLLM_EXTEND: ModeTraits(True, False, True, True, False, "diffusion LM block denoising"),
-    ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, False, "a prefill run a slice of layers per step"),
+    # one request's prefill (or prefill chunk), a slice of layers a step, between the decode steps; it
+    # samples on its last slice only
+    ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, True, "a prefill run a slice of layers per step"),
 }
 
 

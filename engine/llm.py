@@ -54,6 +54,7 @@ class LLM:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=parts.eos_token_ids,
             decode=self._decode if self.tokenizer is not None else None,
+            num_layers=self.model_config.num_layers,
         )
         self._ids = itertools.count()
 

@@ -174,9 +174,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x, residual = self.embed(input_ids)
-        for layer, next_norm in zip(self.decoder_layers(), self.next_norms()):
+        return self.run_layers(x, residual, positions, attn, 0, self.config.num_layers)[0]
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                   begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [begin, end) on (layer ``begin``'s normalised input, residual): layer ``end``'s
+        (normalised input, residual), the final-normed hidden states [T, hidden] as its first when
+        ``end`` is the last layer."""
+        layers, norms = self.decoder_layers(), self.next_norms()
+        for layer, next_norm in zip(layers[begin:end], norms[begin:end]):
             x, residual = layer(positions, x, residual, self.cos_sin, attn, next_norm)
-        return x
+        return x, residual
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first layer's normalised input, residual) of input_ids [T]."""

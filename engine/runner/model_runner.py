@@ -26,6 +26,7 @@ from .draft_model import DraftModel
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
+from .split_prefill import SplitPrefill
 from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from ...kernels.attention.kv_cache import KVCache
 from ...kernels.op_set import kernel_ops
@@ -71,6 +72,7 @@ class ModelRunner:
         self._chained = False  # the step being launched has chained verify rows
         self._init_model(ckpt, progress)
         self._init_memory()
+        self.split = SplitPrefill(ckpt.config.num_layers)
         self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
                                                              SchedulerConfig.speculative_ngram_max)),
                                      self.kernel_ops.chain_verify_rows)
@@ -160,6 +162,9 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``; logits [S, V] (the model's dtype) of the rows that sample."""
         batch.forward_mode.require_supported()
+        self.split.release(batch.released_slots)
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+            self.split.check(batch)  # before anything is recorded
         if self._inputs_consumed is not None:
             # the previous step's host buffers (attention plans reuse theirs) must have reached the
             # device before they are written again; only waits if the device is more than a step behind
@@ -196,12 +201,18 @@ class ModelRunner:
         self._positions = positions
         pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
-        if pieces is not None and bucket is not None:  # the model in captured pieces, attention eager
+        hidden: torch.Tensor | None
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:  # None before the last slice
+            hidden = self.split.run(self.model, batch, input_ids, positions, self.attn)
+        elif pieces is not None and bucket is not None:  # the model in captured pieces, attention eager
             hidden = pieces.run(bucket, input_ids, positions, out_cache_loc)
         else:
             hidden = self.model(input_ids, positions, self.attn)  # [T, hidden]
-        if self.draft is not None and batch.forward_mode.traits.is_extend:
+        if self.draft is not None and batch.forward_mode.traits.is_extend and (
+                batch.split_layers is None or batch.split_layers.begin == 0):
             self.draft.extend(input_ids, positions, inputs)  # DRAFT_EXTEND: the draft's keys of these tokens
+        if hidden is None:
+            return torch.zeros(0, self.model_config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[sample_idx])
 
     def _record(self, batch: ForwardBatch, chained: np.ndarray | None, rows: torch.Tensor, positions: torch.Tensor,

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from ..config import SchedulerConfig
-from ..forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
+from ..forward_batch import ForwardBatch, ForwardResult, LayerRange, ReqAdmission, SlotUpdate
 from ..forward_mode import ForwardMode, determine_forward_mode
 from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
@@ -34,6 +34,14 @@ class _Item:
     req: Req
     start: int  # first position computed this step
     length: int  # tokens computed this step
+
+
+@dataclass
+class _Split:
+    """The split prefill in progress: one request's prefill (or chunk), run a slice of layers a step."""
+
+    item: _Item
+    next_layer: int = 0
 
 
 class _Sample(NamedTuple):  # one per request per step: a tuple is made faster than a frozen dataclass
@@ -68,8 +76,13 @@ class Scheduler:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         decode: Callable[[list[int]], str] | None = None,
+        num_layers: int = 0,
     ) -> None:
+        """``num_layers``: the model's decoder layers (split prefill slices them; needed with it on)."""
+        if cfg.enable_split_prefill and num_layers < 1:
+            raise ValueError("enable_split_prefill needs the model's number of layers (num_layers >= 1)")
         self.cfg = cfg
+        self.num_layers = num_layers
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.kv = KVManager(num_pages, page_size, cfg.enable_prefix_cache)
@@ -85,6 +98,9 @@ class Scheduler:
         self.drafter = make_drafter(cfg, max_context)
         # per request, the drafts of each of its TARGET_VERIFY steps in flight (two: the second chained)
         self._verifying: dict[Req, list[int]] = {}
+        self._split: _Split | None = None
+        self._slice_due = False  # the split's next slice comes before the next decode step
+        self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -144,7 +160,13 @@ class Scheduler:
             decodes = [r for r in decodes if PLACEHOLDER not in r.output_ids[-1:]]
         extends: list[_Item] = []
         chunk = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
+        if self._split is not None:
+            return self._split_turn(decodes, verifies)
         can_prefill = bool(self.waiting) or any(not r.prefill_done for r in self.running)
+        if can_prefill and (decodes or verifies) and self.cfg.enable_split_prefill:
+            step = self._start_split(chunk, decodes, verifies)
+            if step is not None:
+                return step
         if can_prefill and decodes and self.cfg.enable_mixed:
             budget = min(chunk, self._mixed_prefill_cap(len(decodes)))
             if budget >= 1:
@@ -164,6 +186,43 @@ class Scheduler:
             self._retract(self.running[-1])
             return self._schedule()
         return None
+
+    # ---- split prefill --------------------------------------------------------------------------
+    def _start_split(self, chunk: int, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
+        """The first slice of a split prefill, if the next prefill is long enough to split (a short one
+        taken after a prefix hit runs as an EXTEND step); None: prefill as without split prefill."""
+        partial = [r for r in self.running if not r.prefill_done]
+        nxt = partial[0] if partial else self.waiting[0]
+        need = min(nxt.fill_len - nxt.num_computed, chunk)
+        if need < self.cfg.split_prefill_min_tokens:
+            return None
+        items = self._take_prefill(need, keep_free_pages=len(decodes))
+        if not items:
+            return None
+        if items[0].length < self.cfg.split_prefill_min_tokens:
+            return self._build(items, [])
+        self._split = _Split(items[0])
+        self._slice_due = True
+        return self._split_turn(decodes, verifies)
+
+    def _split_turn(self, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
+        """While a split prefill runs: a decode (or verify) step and the split's next slice by turns; the
+        slice's layers: ``split_prefill_token_budget`` // its tokens, all that are left with nothing decoding."""
+        split = self._split
+        assert split is not None
+        if not self._slice_due and (decodes or verifies):
+            self._slice_due = True
+            step = (self._build_verify(verifies) if verifies and self.drafter is not None
+                    else self._build([], self._reserve_decode(decodes)))
+            if step is not None or self._split is None:  # the decode step's KV may have preempted the split
+                return step if step is not None else self._schedule()
+        self._slice_due = False
+        per = max(1, self.cfg.split_prefill_token_budget // split.item.length) if decodes or verifies else self.num_layers
+        layers = LayerRange(split.next_layer, min(split.next_layer + per, self.num_layers))
+        split.next_layer = layers.end
+        if layers.end == self.num_layers:
+            self._split = None
+        return self._build([split.item], [], split_layers=layers)
 
     def _may_chain(self, req: Req) -> bool:
         """Whether ``req``'s next verify step may be built now, while its last one (its only step in flight)
@@ -241,6 +300,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
+        if self._split is not None and self._split.item.req is req:  # the engine drops its hidden state
+            self._split = None
+            self._released.append(req.req_pool_idx)
         self.kv.release(req)
         self.running.remove(req)
         self.free_slots.append(req.req_pool_idx)
@@ -248,13 +310,18 @@ class Scheduler:
         req.prefill_done = False
 
     def _build(self, extends: list[_Item], decodes: list[Req], drafts: list[list[int]] | None = None,
-               chained: list[bool] | None = None) -> ScheduledStep | None:
+               chained: list[bool] | None = None, split_layers: LayerRange | None = None) -> ScheduledStep | None:
         """The step's batch; with ``drafts`` (one list a decode) a TARGET_VERIFY step, in which one
         placeholder a request stands for the run of tokens it emits (``chained``: the requests whose
-        last verify step is still in flight, ``verify_arrays``)."""
+        last verify step is still in flight, ``verify_arrays``); with ``split_layers`` a SPLIT_PREFILL
+        slice of ``extends``, which samples after the last layer only."""
         if not extends and not decodes:
             return None
-        mode = determine_forward_mode(len(extends), len(decodes)) if drafts is None else ForwardMode.TARGET_VERIFY
+        mode = determine_forward_mode(len(extends), len(decodes))
+        if drafts is not None:
+            mode = ForwardMode.TARGET_VERIFY
+        elif split_layers is not None:
+            mode = ForwardMode.SPLIT_PREFILL
         reqs = tuple([it.req for it in extends] + decodes)
         arrays: dict[str, Any]  # ForwardBatch's array fields
         if drafts is not None:
@@ -264,6 +331,8 @@ class Scheduler:
                 self._verifying.setdefault(r, []).append(len(d))
         elif extends:
             arrays = self._extend_arrays(extends + [_Item(r, r.num_computed - 1, 1) for r in decodes])
+            if split_layers is not None and split_layers.end < self.num_layers:
+                arrays["sample_mask"][:] = False
         else:  # a decode step (one step a few milliseconds, every request in it): plain lists
             pos = [r.num_computed - 1 for r in decodes]
             arrays = {"prefix_lens": np.array(pos, dtype=np.int64), "extend_lens": np.ones(len(pos), dtype=np.int64),
@@ -276,17 +345,21 @@ class Scheduler:
             admissions=tuple(self._admissions),
             slot_updates=tuple(self.pending_updates),
             step=self.step_no,
+            split_layers=split_layers,
+            released_slots=tuple(self._released),
             **arrays,
         )
         self._admissions.clear()
         self.pending_updates.clear()
+        self._released.clear()
         samples = []
         for req, sampled in zip(reqs, batch.sample_mask.tolist()):
             if sampled:
                 samples.append(_Sample(req, len(req.output_ids), not req.prefill_done))
                 req.output_ids.append(PLACEHOLDER)
                 req.prefill_done = True
-        self.stats.record(mode, batch.batch_size, batch.num_tokens)
+        # a split prefill's tokens count once, with its first slice
+        self.stats.record(mode, batch.batch_size, batch.num_tokens if not split_layers or not split_layers.begin else 0)
         if self.cfg.speculative_algorithm == "draft":
             record_draft_steps(self.stats, batch)
         if logger.isEnabledFor(logging.INFO):

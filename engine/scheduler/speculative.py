@@ -75,8 +75,8 @@ def record_draft_steps(stats: ForwardModeStats, batch: ForwardBatch) -> None:
     """The draft model's sub-steps in a step of ``batch`` (``speculative_algorithm="draft"``): its
     DRAFT_EXTEND over an EXTEND/MIXED step's tokens; in a TARGET_VERIFY step, its catch-up
     (DRAFT_EXTEND of each request's last two tokens), then a DECODE step per draft after the first."""
-    if batch.forward_mode.traits.is_extend:
-        stats.record(ForwardMode.DRAFT_EXTEND, batch.batch_size, batch.num_tokens)
+    if batch.forward_mode.traits.is_extend and (batch.split_layers is None or batch.split_layers.begin == 0):
+        stats.record(ForwardMode.DRAFT_EXTEND, batch.batch_size, batch.num_tokens)  # a split's: with its first slice
     elif batch.forward_mode == ForwardMode.TARGET_VERIFY:
         stats.record(ForwardMode.DRAFT_EXTEND, batch.batch_size, 2 * batch.batch_size)
         for j in range(2, int(batch.extend_lens.max())):

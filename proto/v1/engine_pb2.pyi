@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineDescription(_message.Message):
-    __slots__ = ("model", "model_path", "num_kv_slots", "page_size", "max_running_requests", "max_context_len", "vocab_size", "eos_token_ids", "cuda_graph_batch_sizes", "dp_rank", "device", "dtype", "attention_backend", "mode_stats")
+    __slots__ = ("model", "model_path", "num_kv_slots", "page_size", "max_running_requests", "max_context_len", "vocab_size", "eos_token_ids", "cuda_graph_batch_sizes", "dp_rank", "device", "dtype", "attention_backend", "mode_stats", "num_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class EngineDescription(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODE_STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_kv_slots: int
@@ -42,7 +43,8 @@ class EngineDescription(_message.Message):
     dtype: str
     attention_backend: str
     mode_stats: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ModeStat]
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., mode_stats: _Optional[_Iterable[_Union[_generate_pb2.ModeStat, _Mapping]]] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., mode_stats: _Optional[_Iterable[_Union[_generate_pb2.ModeStat, _Mapping]]] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

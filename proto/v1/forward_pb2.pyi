@@ -73,7 +73,7 @@ class SlotUpdate(_message.Message):
     def __init__(self, req_pool_idx: _Optional[int] = ..., start: _Optional[int] = ..., kv_locs: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("step", "forward_mode", "req_pool_indices", "prefix_lens", "extend_lens", "sample_mask", "input_ids", "positions", "out_cache_loc", "admissions", "slot_updates", "trace_context", "padded_batch_size")
+    __slots__ = ("step", "forward_mode", "req_pool_indices", "prefix_lens", "extend_lens", "sample_mask", "input_ids", "positions", "out_cache_loc", "admissions", "slot_updates", "trace_context", "padded_batch_size", "split_layer_begin", "split_layer_end", "released_slots")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,9 @@ class ForwardBatch(_message.Message):
     SLOT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PADDED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     forward_mode: ForwardMode
     req_pool_indices: bytes
@@ -107,7 +110,10 @@ class ForwardBatch(_message.Message):
     slot_updates: _containers.RepeatedCompositeFieldContainer[SlotUpdate]
     trace_context: _containers.ScalarMap[str, str]
     padded_batch_size: int
-    def __init__(self, step: _Optional[int] = ..., forward_mode: _Optional[_Union[ForwardMode, str]] = ..., req_pool_indices: _Optional[bytes] = ..., prefix_lens: _Optional[bytes] = ..., extend_lens: _Optional[bytes] = ..., sample_mask: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., out_cache_loc: _Optional[bytes] = ..., admissions: _Optional[_Iterable[_Union[ReqAdmission, _Mapping]]] = ..., slot_updates: _Optional[_Iterable[_Union[SlotUpdate, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., padded_batch_size: _Optional[int] = ...) -> None: ...
+    split_layer_begin: int
+    split_layer_end: int
+    released_slots: bytes
+    def __init__(self, step: _Optional[int] = ..., forward_mode: _Optional[_Union[ForwardMode, str]] = ..., req_pool_indices: _Optional[bytes] = ..., prefix_lens: _Optional[bytes] = ..., extend_lens: _Optional[bytes] = ..., sample_mask: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., out_cache_loc: _Optional[bytes] = ..., admissions: _Optional[_Iterable[_Union[ReqAdmission, _Mapping]]] = ..., slot_updates: _Optional[_Iterable[_Union[SlotUpdate, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., padded_batch_size: _Optional[int] = ..., split_layer_begin: _Optional[int] = ..., split_layer_end: _Optional[int] = ..., released_slots: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("step", "next_token_ids", "logprobs", "top_logprob_ids", "top_logprob_values", "top_n", "forward_seconds", "cuda_graph_bucket", "accepted_lengths")

@@ -151,7 +151,8 @@ class StalledError(RuntimeError):
 def batch_limits(desc: engine_pb2.EngineDescription) -> BatchLimits:
     """What the engine of ``desc`` lets a batch index (the bounds the fuzzed values straddle)."""
     return BatchLimits(max_reqs=desc.max_running_requests, max_context=desc.max_context_len,
-                       num_kv_slots=desc.num_kv_slots, vocab_size=desc.vocab_size)
+                       num_kv_slots=desc.num_kv_slots, vocab_size=desc.vocab_size,
+                       num_layers=desc.num_layers)
 
 
 def engine_scheduler(desc: engine_pb2.EngineDescription, **cfg: object) -> Scheduler:
@@ -159,7 +160,7 @@ def engine_scheduler(desc: engine_pb2.EngineDescription, **cfg: object) -> Sched
     config = SchedulerConfig(max_running_requests=desc.max_running_requests, **cfg)  # type: ignore[arg-type]
     return Scheduler(config, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
                      max_context=desc.max_context_len, vocab_size=desc.vocab_size,
-                     eos_token_ids=tuple(desc.eos_token_ids))
+                     eos_token_ids=tuple(desc.eos_token_ids), num_layers=desc.num_layers)
 
 
 def drive(channel: grpc.Channel, sched: Scheduler, reqs: Sequence[Req]) -> list[forward_pb2.ForwardBatch]:

@@ -14,7 +14,7 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from ...engine.forward_batch import ForwardBatch, ForwardResult, ReqAdmission, SlotUpdate
+from ...engine.forward_batch import ForwardBatch, ForwardResult, LayerRange, ReqAdmission, SlotUpdate
 from ...engine.forward_mode import ForwardMode
 from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.stats import ForwardModeStats
@@ -34,6 +34,7 @@ class BatchLimits(NamedTuple):
     max_context: int  # positions per row
     num_kv_slots: int  # token slots of the KV pool
     vocab_size: int
+    num_layers: int  # decoder layers (a SPLIT_PREFILL step's range lies within)
 
 
 def _pack(a: np.ndarray, dtype: np.dtype) -> bytes:
@@ -88,6 +89,9 @@ def batch_to_proto(b: ForwardBatch) -> forward_pb2.ForwardBatch:
         padded_batch_size=b.padded_batch_size,
         trace_context=dict(b.trace_context),
         forward_mode=_mode_to_proto(b.forward_mode),
+        split_layer_begin=b.split_layers.begin if b.split_layers is not None else 0,
+        split_layer_end=b.split_layers.end if b.split_layers is not None else 0,
+        released_slots=_pack(np.asarray(b.released_slots, dtype=np.int64), _I64),
         req_pool_indices=_pack(b.req_pool_indices, _I64),
         prefix_lens=_pack(b.prefix_lens, _I64),
         extend_lens=_pack(b.extend_lens, _I64),
@@ -150,6 +154,8 @@ def _check_requests(mode: ForwardMode, req_pool: np.ndarray, prefix: np.ndarray,
         raise ValueError(f"forward_mode IDLE carries no requests, got {num_reqs}")
     if mode == ForwardMode.DECODE and not ((ext == 1) & (mask == 1)).all():
         raise ValueError("forward_mode DECODE takes one sampled token a request (extend_lens 1, sample_mask 1)")
+    if mode == ForwardMode.SPLIT_PREFILL and (not num_reqs or int(ext.min()) < 1):
+        raise ValueError("forward_mode SPLIT_PREFILL takes one or more requests, each with tokens to prefill")
     if mode == ForwardMode.TARGET_VERIFY and num_reqs and int(ext.min()) < 1:
         raise ValueError(f"forward_mode TARGET_VERIFY: extend_lens[{int(np.argmin(ext))}] = 0 (a request verifies "
                          f"its last token and its drafts)")
@@ -227,6 +233,8 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
     _check_tokens(prefix, ext, ids, pos, loc, limits)
     if not -1 <= m.padded_batch_size <= limits.max_reqs:
         raise ValueError(f"padded_batch_size = {m.padded_batch_size} is outside [-1, {limits.max_reqs}]")
+    released = _unpack(m.released_slots, _I64, "released_slots")
+    _check_range(released, 0, limits.max_reqs, "released_slots")
     return ForwardBatch(
         forward_mode=mode,
         req_pool_indices=req_pool,
@@ -241,7 +249,22 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
         step=m.step,
         padded_batch_size=m.padded_batch_size,
         trace_context=dict(m.trace_context),
+        split_layers=_split_layers(mode, m, limits),
+        released_slots=tuple(released.tolist()),
     )
+
+
+def _split_layers(mode: ForwardMode, m: forward_pb2.ForwardBatch, limits: BatchLimits) -> LayerRange | None:
+    """A SPLIT_PREFILL step's layer range, within the model's layers; other modes carry none."""
+    begin, end = m.split_layer_begin, m.split_layer_end
+    if mode != ForwardMode.SPLIT_PREFILL:
+        if begin or end:
+            raise ValueError(f"split_layer_begin/end = {begin}/{end}: only a SPLIT_PREFILL step runs a layer range")
+        return None
+    if not 0 <= begin < end <= limits.num_layers:
+        raise ValueError(f"forward_mode SPLIT_PREFILL: layers [{begin}, {end}) are not a range within "
+                         f"[0, {limits.num_layers})")
+    return LayerRange(begin, end)
 
 
 def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:

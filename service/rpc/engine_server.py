@@ -34,6 +34,7 @@ def batch_limits(runner: ModelRunner) -> BatchLimits:
         max_context=runner.max_context,
         num_kv_slots=runner.num_kv_slots,
         vocab_size=runner.model_config.vocab_size,
+        num_layers=runner.model_config.num_layers,
     )
 
 
@@ -55,6 +56,7 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
         device=str(runner.device),
         dtype=runner.cfg.torch_dtype_name,
         attention_backend=runner.attention_backend_name,
+        num_layers=runner.model_config.num_layers,
     )
 
 

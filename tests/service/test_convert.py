@@ -30,7 +30,8 @@ PAGE = 4
 NUM_PAGES = 64
 MAX_CONTEXT = 64
 MAX_REQS = 8
-LIMITS = BatchLimits(max_reqs=MAX_REQS, max_context=MAX_CONTEXT, num_kv_slots=NUM_PAGES * PAGE, vocab_size=VOCAB)
+LIMITS = BatchLimits(max_reqs=MAX_REQS, max_context=MAX_CONTEXT, num_kv_slots=NUM_PAGES * PAGE, vocab_size=VOCAB,
+                     num_layers=4)
 PER_REQUEST = ("req_pool_indices", "prefix_lens", "extend_lens", "sample_mask")
 PER_TOKEN = ("input_ids", "positions", "out_cache_loc")
 SLOT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
