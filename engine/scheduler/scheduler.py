@@ -196,7 +196,7 @@ class Scheduler:
         need = min(nxt.fill_len - nxt.num_computed, chunk)
         if need < self.cfg.split_prefill_min_tokens:
             return None
-        items = self._take_prefill(need, keep_free_pages=len(decodes))
+        items = self._take_prefill(need, keep_free_pages=len(decodes), max_items=1)
         if not items:
             return None
         if items[0].length < self.cfg.split_prefill_min_tokens:
@@ -242,15 +242,15 @@ class Scheduler:
             return self.max_context * self.cfg.max_running_requests
         return math.floor(ratio / (1.0 - ratio) * num_decodes + 1e-9)
 
-    def _take_prefill(self, budget: int, keep_free_pages: int) -> list[_Item]:
+    def _take_prefill(self, budget: int, keep_free_pages: int, max_items: int | None = None) -> list[_Item]:
         items: list[_Item] = []
-        for req in [r for r in self.running if not r.prefill_done]:
+        for req in [r for r in self.running if not r.prefill_done][:max_items]:
             n = min(req.fill_len - req.num_computed, budget)
             if n <= 0 or self.kv.alloc(req, n, keep_free_pages) is None:
                 return items
             items.append(_Item(req, req.num_computed - n, n))
             budget -= n
-        while self.waiting and budget > 0 and self.free_slots:
+        while self.waiting and budget > 0 and self.free_slots and (max_items is None or len(items) < max_items):
             req = self.waiting[0]
             if PLACEHOLDER in req.output_ids[-1:]:
                 break  # its last token is still in flight; readmit once it is known

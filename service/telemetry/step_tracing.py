@@ -112,11 +112,14 @@ class StepTracer:
 
 
 def step_attributes(batch: ForwardBatch, dp_rank: int) -> dict[str, Any]:
-    """A step span's attributes; a TARGET_VERIFY step's also say how many drafts it carries."""
+    """A step span's attributes; a TARGET_VERIFY step's also say how many drafts it carries, a
+    SPLIT_PREFILL step's which layers it runs."""
     attrs: dict[str, Any] = {"modeserve.forward_mode": batch.forward_mode.name, "modeserve.batch_size": batch.batch_size,
                              "modeserve.num_tokens": batch.num_tokens, "modeserve.dp_rank": dp_rank}
     if batch.forward_mode == ForwardMode.TARGET_VERIFY:
         attrs["modeserve.spec.draft_tokens"] = batch.num_tokens - batch.batch_size
+    if batch.split_layers is not None:  # a SPLIT_PREFILL slice: layers [begin, end)
+        attrs["modeserve.split.layer_begin"], attrs["modeserve.split.layer_end"] = batch.split_layers
     return attrs
 
 

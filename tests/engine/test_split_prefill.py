@@ -1,0 +1,197 @@
+"""SPLIT_PREFILL on CPU: a prefill run a slice of layers a step writes the KV cache and gives the logits
+of one EXTEND (and of transformers); greedy outputs of long prompts arriving while others decode are
+those of split prefill off and of the transformers full-forward argmax loop, at page sizes 1 and 16,
+with prefix-cache hits and with chunked prefill; abort and preemption in the middle of a split free
+everything it held, on the scheduler's KV pool and in the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from modeserve.engine import LLM, SamplingParams
+from modeserve.engine.forward_batch import ForwardBatch, LayerRange, ReqAdmission
+from modeserve.engine.forward_mode import ForwardMode
+from modeserve.engine.request import Req
+from tests.engine.tiny_models import ARCHS, load_reference, make_tiny_model, reference_greedy, reference_logits
+
+NUM_LAYERS = 4
+KV_JUST_FITS = 180  # token slots: the short requests' and the long prompt's, and a few more
+NEW_TOKENS = 12
+SHORT_TOKENS = 48  # the short requests outlive the long ones' split prefills
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+SHORT_GREEDY = SamplingParams(temperature=0.0, max_new_tokens=SHORT_TOKENS, ignore_eos=True)
+# budget 100 over prompts of 60..120 tokens: one layer a slice, four slices a prompt
+SPLIT: dict[str, Any] = dict(enable_split_prefill=True, split_prefill_min_tokens=40, split_prefill_token_budget=100)
+
+
+def _prompts(seed: int, lengths: list[int], prefix: list[int] | None = None) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(3, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+SHORT = _prompts(1, [5, 9, 14, 20])  # decoding when the long ones arrive
+LONG = _prompts(2, [60, 75, 90, 120])
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    folder = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), num_hidden_layers=NUM_LAYERS)
+    ref = load_reference(folder)
+    return folder, [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT] + [reference_greedy(ref, p, NEW_TOKENS)
+                                                                              for p in LONG]
+
+
+def mixed_workload(llm: LLM, short: list[list[int]], long: list[list[int]]) -> list[list[int]]:
+    """The short prompts decode a few tokens; then the long ones arrive; every output."""
+    first = [llm.make_request(p, SHORT_GREEDY) for p in short]
+    for r in first:
+        llm.add_request(r)
+    llm.run_until(lambda: all(len(r.output_ids) >= 3 for r in first))
+    later = [llm.make_request(p, GREEDY) for p in long]
+    for r in later:
+        llm.add_request(r)
+    llm.run_until(lambda: all(r.finished for r in first + later))
+    return [list(r.output_ids) for r in first + later]
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "page1": dict(page_size=1),
+    "page16": dict(page_size=16),
+    "prefix_hits": dict(page_size=4),  # the long prompts share a prefix with the short ones
+    "chunked": dict(page_size=4, chunked_prefill_size=48),  # each 48-token chunk is split in turn
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_mixed_workload_equals_split_off_and_transformers(arch: tuple[Path, list[list[int]]], variant: str) -> None:
+    folder, want = arch
+    kwargs = dict(kv_cache_tokens=4096, **VARIANTS[variant])
+    short, long = SHORT, LONG
+    if variant == "prefix_hits":
+        long = [SHORT[3] + p[: 60] for p in LONG]  # 20 cached tokens each
+        ref = load_reference(folder)
+        want = want[: len(SHORT)] + [reference_greedy(ref, p, NEW_TOKENS) for p in long]
+    plain = LLM(model=str(folder), **kwargs)
+    assert mixed_workload(plain, short, long) == want
+    llm = LLM(model=str(folder), **SPLIT, **kwargs)
+    assert mixed_workload(llm, short, long) == want
+    stats = llm.stats()
+    slices, tokens = stats["mode_distribution"]["SPLIT_PREFILL"], stats["tokens_by_mode"]["SPLIT_PREFILL"]
+    if variant == "chunked":  # the chunks of 40 tokens or more are split, one layer a slice
+        assert slices % NUM_LAYERS == 0 and slices >= NUM_LAYERS and 48 <= tokens < sum(map(len, long))
+    else:  # every long prompt split, one layer a slice; each split prefill's tokens count once
+        assert slices == NUM_LAYERS * len(long)
+        assert tokens == sum(map(len, long)) - 20 * len(long) * (variant == "prefix_hits")
+    assert "SPLIT_PREFILL" not in plain.stats()["mode_distribution"]
+    if variant == "prefix_hits":
+        assert stats["num_prefix_hit_tokens"] >= 20 * len(long)
+    assert llm.runner.split.held_slots == ()
+
+
+def _extend_batch(prompt: list[int], mode: ForwardMode, layers: LayerRange | None, slot: int,
+                  admit: bool) -> ForwardBatch:
+    n = len(prompt)
+    return ForwardBatch(
+        forward_mode=mode, req_pool_indices=np.array([slot]), prefix_lens=np.array([0]), extend_lens=np.array([n]),
+        sample_mask=np.array([layers is None or layers.end == NUM_LAYERS]), input_ids=np.array(prompt),
+        positions=np.arange(n), out_cache_loc=np.arange(16, 16 + n),
+        admissions=(ReqAdmission(slot, GREEDY, 0, n),) if admit else (), split_layers=layers)
+
+
+def test_split_writes_the_kv_and_logits_of_one_extend(arch: tuple[Path, list[list[int]]]) -> None:
+    folder, _ = arch
+    prompt = LONG[1]
+    one, split = (LLM(model=str(folder), page_size=1, kv_cache_tokens=512).runner for _ in range(2))
+    want = one.compute_logits(_extend_batch(prompt, ForwardMode.EXTEND, None, 0, True))
+    slices = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]
+    for i, layers in enumerate(slices):
+        got = split.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, layers, 0, i == 0))
+        assert got.shape[0] == (1 if layers.end == NUM_LAYERS else 0)
+        written = torch.arange(16, 16 + len(prompt))
+        for layer in range(NUM_LAYERS):  # layers up to this slice's end hold the prompt's keys and values
+            for a, b in ((one.kv_cache.k[layer], split.kv_cache.k[layer]), (one.kv_cache.v[layer], split.kv_cache.v[layer])):
+                if layer < layers.end:
+                    torch.testing.assert_close(b[written], a[written], rtol=0, atol=1e-6)
+                else:
+                    assert not torch.equal(b[written], a[written])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    ref = reference_logits(load_reference(folder), prompt)
+    torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
+    assert split.split.held_slots == ()
+
+
+def test_a_slice_that_continues_nothing_is_refused(tiny_split: LLM) -> None:
+    runner = tiny_split.runner
+    prompt = LONG[0]
+    with pytest.raises(ValueError, match="continue no split prefill"):
+        runner.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, LayerRange(1, 2), 0, True))
+    runner.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, LayerRange(0, 2), 0, True))
+    with pytest.raises(ValueError, match="next layer 2"):
+        runner.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, LayerRange(3, 4), 0, False))
+    with pytest.raises(ValueError, match="within"):
+        runner.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, LayerRange(2, 9), 0, False))
+    assert runner.split.held_slots == (0,)  # the refused slices changed nothing
+    assert runner.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, LayerRange(2, 4), 0, False)).shape[0] == 1
+
+
+@pytest.fixture()
+def tiny_split(tiny_llama_4: Path) -> LLM:
+    return LLM(model=str(tiny_llama_4), page_size=4, kv_cache_tokens=4096, **SPLIT)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama3", tmp_path_factory.mktemp("tiny4"), num_hidden_layers=NUM_LAYERS)
+
+
+def _idle(llm: LLM) -> bool:
+    kv = llm.scheduler.kv
+    cached = kv.cache.num_cached_pages if kv.cache is not None else 0
+    return kv.pool.num_free_pages + cached == kv.pool.num_total_pages
+
+
+def _start_split(llm: LLM) -> tuple[list[Req], Req]:
+    """Short requests decoding and a long one two slices into its split prefill."""
+    first = [llm.make_request(p, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)) for p in SHORT]
+    for r in first:
+        llm.add_request(r)
+    llm.run_until(lambda: all(len(r.output_ids) >= 2 for r in first))
+    long = llm.make_request(LONG[3], GREEDY)
+    llm.add_request(long)
+    while llm.stats()["mode_distribution"].get("SPLIT_PREFILL", 0) < 2:
+        llm.step()
+    assert not long.finished and not long.output_ids
+    return first, long
+
+
+def test_abort_in_the_middle_frees_the_kv_and_the_engine_state(tiny_split: LLM) -> None:
+    llm = tiny_split
+    first, long = _start_split(llm)
+    assert llm.runner.split.held_slots == (long.req_pool_idx,)
+    assert llm.abort(long.rid)
+    llm.step()  # the next batch tells the engine
+    assert llm.runner.split.held_slots == ()
+    llm.run_until(lambda: all(r.finished for r in first))
+    assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == 2 and long.finish_reason == "abort"
+    assert _idle(llm)
+
+
+def test_preemption_in_the_middle_recomputes_the_prompt(tiny_llama_4: Path) -> None:
+    # a pool the long prompt just fits in: the decoders' next tokens preempt the newest request, the split one
+    llm = LLM(model=str(tiny_llama_4), page_size=1, kv_cache_tokens=KV_JUST_FITS, enable_prefix_cache=False, **SPLIT)
+    first, long = _start_split(llm)
+    while not long.num_retractions:
+        assert not long.output_ids, "the split prefill finished before it was preempted"
+        llm.step()
+    llm.step()
+    assert llm.runner.split.held_slots == ()
+    llm.run_until(lambda: all(r.finished for r in [*first, long]))
+    ref = load_reference(tiny_llama_4)
+    assert list(long.output_ids) == reference_greedy(ref, LONG[3], NEW_TOKENS)
+    assert [list(r.output_ids) for r in first] == [reference_greedy(ref, p, 40) for p in SHORT]
+    assert _idle(llm) and llm.runner.split.held_slots == ()
