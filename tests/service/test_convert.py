@@ -41,7 +41,7 @@ SLOT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "p
 def make_scheduler(**cfg: object) -> Scheduler:
     config = SchedulerConfig(**{"max_running_requests": MAX_REQS, **cfg})
     return Scheduler(config, num_pages=NUM_PAGES, page_size=PAGE, max_context=MAX_CONTEXT, vocab_size=VOCAB,
-                     eos_token_ids=(2,))
+                     eos_token_ids=(2,), num_layers=LIMITS.num_layers)
 
 
 def add(s: Scheduler, rid: str, prompt: list[int], **sp: object) -> Req:
@@ -75,6 +75,7 @@ def assert_same_batch(got: ForwardBatch, want: ForwardBatch) -> None:
             assert gv == (np.float32(wv) if isinstance(wv, float) else wv), f
     assert [(u.req_pool_idx, u.start, u.kv_locs.tolist()) for u in got.slot_updates] == \
            [(u.req_pool_idx, u.start, u.kv_locs.tolist()) for u in want.slot_updates]
+    assert (got.split_layers, got.released_slots) == (want.split_layers, want.released_slots)
 
 
 def wire(b: ForwardBatch) -> forward_pb2.ForwardBatch:
@@ -107,6 +108,40 @@ def scheduler_batches() -> list[ForwardBatch]:
 @pytest.fixture(scope="module")
 def batches() -> list[ForwardBatch]:
     return scheduler_batches()
+
+
+def split_batches() -> list[ForwardBatch]:
+    """A long prompt arriving while another decodes runs as SPLIT_PREFILL slices; a second one is
+    aborted between two of its slices (the next batch releases its slot)."""
+    s = make_scheduler(enable_split_prefill=True, split_prefill_min_tokens=10, split_prefill_token_budget=20)
+    add(s, "d", [40, 41, 42], max_new_tokens=30)
+    first = s.schedule()
+    assert first is not None
+    s.process_result(first, fake_result(first.batch, None))
+    batches: list[ForwardBatch] = [first.batch]
+    for rid, start in (("long", 10), ("aborted", 50)):
+        add(s, rid, list(range(start, start + 20)))
+        for _ in range(100):
+            step = s.schedule()
+            assert step is not None
+            batches.append(step.batch)
+            s.process_result(step, fake_result(step.batch, None))
+            if step.batch.split_layers is not None and step.batch.split_layers.end == 2 and rid == "aborted":
+                assert s.abort(rid) is not None
+                break
+            if step.batch.split_layers is not None and step.batch.split_layers.end == LIMITS.num_layers:
+                break
+    batches.append(s.schedule().batch)  # type: ignore[union-attr]
+    return batches
+
+
+def test_split_prefill_batches_round_trip() -> None:
+    batches = split_batches()
+    layers = [b.split_layers for b in batches if b.forward_mode == ForwardMode.SPLIT_PREFILL]
+    assert layers == [(0, 1), (1, 2), (2, 3), (3, 4), (0, 1), (1, 2)]  # 20 tokens, budget 20: a layer a slice
+    assert batches[-1].released_slots and batches[-1].forward_mode == ForwardMode.DECODE
+    for b in batches:
+        assert_same_batch(batch_from_proto(wire(b), LIMITS), b)
 
 
 def test_scheduler_batches_round_trip(batches: list[ForwardBatch]) -> None:
@@ -215,7 +250,18 @@ MALFORMED: dict[str, tuple[Callable[[forward_pb2.ForwardBatch], None], str]] = {
     "admission_top_p": (set_attr("admissions.0.sampling.top_p", 0.0), "top_p"),
     "admission_temperature_nan": (set_attr("admissions.0.sampling.temperature", math.nan), "temperature"),
     "admission_logprobs": (set_attr("admissions.0.sampling.logprobs", -2), "logprobs"),
+    "layers_outside_split": (set_attr("split_layer_end", 2), "split_layer_begin/end"),
+    "released_slot": (set_attr("released_slots", i64([MAX_REQS])), "released_slots"),
 }
+
+
+@pytest.mark.parametrize(("begin", "end"), [(0, 0), (2, 1), (3, 5), (-1, 2)])
+def test_split_prefill_layer_range_within_the_model(begin: int, end: int) -> None:
+    m = wire(next(b for b in split_batches() if b.forward_mode == ForwardMode.SPLIT_PREFILL))
+    batch_from_proto(m, LIMITS)
+    m.split_layer_begin, m.split_layer_end = begin, end
+    with pytest.raises(ValueError, match=r"SPLIT_PREFILL: layers \[.*\) are not a range within \[0, 4\)"):
+        batch_from_proto(m, LIMITS)
 
 SLOT_UPDATE_MALFORMED: dict[str, tuple[Callable[[forward_pb2.ForwardBatch], None], str]] = {
     "update_slot": (set_attr("slot_updates.0.req_pool_idx", -1), "slot_updates[0].req_pool_idx"),
