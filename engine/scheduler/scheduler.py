@@ -1,4 +1,4 @@
-"""The scheduler: queues, admission, chunked prefill, the forward mode of each step, preemption.
+"""The scheduler: queues, admission, chunked prefill, split prefill, the forward mode of each step, preemption.
 
 One step is ``schedule()`` -> (engine runs the ``ForwardBatch``) -> ``process_result()``.
 CPU only: it builds numpy arrays, never device tensors.

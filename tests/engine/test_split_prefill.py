@@ -195,3 +195,21 @@ def test_preemption_in_the_middle_recomputes_the_prompt(tiny_llama_4: Path) -> N
     assert list(long.output_ids) == reference_greedy(ref, LONG[3], NEW_TOKENS)
     assert [list(r.output_ids) for r in first] == [reference_greedy(ref, p, 40) for p in SHORT]
     assert _idle(llm) and llm.runner.split.held_slots == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer-triton"])
+def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path, backend: str) -> None:
+    """On a GPU, in fp32: the decode steps between the slices replay their CUDA graphs, and the outputs are
+    those of split prefill off and of transformers."""
+    for module in backend.split("-"):
+        pytest.importorskip(module)
+    kwargs: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
+                                  attention_backend=backend, max_running_requests=16)
+    ref = load_reference(tiny_llama_4)
+    want = [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT] + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
+    assert mixed_workload(LLM(model=str(tiny_llama_4), **kwargs), SHORT, LONG) == want
+    llm = LLM(model=str(tiny_llama_4), **SPLIT, **kwargs)
+    assert mixed_workload(llm, SHORT, LONG) == want
+    assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
+    assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0 and llm.runner.split.held_slots == ()

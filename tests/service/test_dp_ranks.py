@@ -91,14 +91,18 @@ def test_three_ranks_48_streams_and_prefix_dispatch(router_over: Callable, tiny_
     assert sorted(gained)[:2] == [0, 0] and max(gained) >= 6 * 48  # all hits on one rank
 
 
-@pytest.mark.parametrize("variant", [None, "ngram", "draft", "mutual-tls"])
+@pytest.mark.parametrize("variant", [None, "ngram", "draft", "mutual-tls", "split"])
 def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, variant: str | None,
                                           tmp_path: Path) -> None:
-    """With n-gram drafts, with a draft model in each engine, and with mutual TLS between router and
-    engines, too: a request moved to another rank mid-run keeps what was delivered (its accepted runs
-    included) and goes on without a gap or a repeat."""
+    """With n-gram drafts, with a draft model in each engine, with mutual TLS between router and
+    engines, and with split prefill (the moved requests' prompts and tokens recomputed a slice of
+    layers a step beside the survivors' decodes), too: a request moved to another rank mid-run keeps
+    what was delivered (its accepted runs included) and goes on without a gap or a repeat."""
     speculative = variant if variant in ("ngram", "draft") else None
     sched = dataclasses.replace(SCHED, speculative_algorithm=speculative)
+    if variant == "split":
+        sched = dataclasses.replace(sched, enable_split_prefill=True, split_prefill_min_tokens=16,
+                                    split_prefill_token_budget=16)
     engine_args: tuple[str, ...] = (("--speculative-algorithm", "draft", "--speculative-draft-model", str(tiny_model))
                                     if speculative == "draft" else ())
     tls: dict[str, object] = {}
@@ -138,6 +142,8 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
     assert [o.token_ids for o in outs if o is not None] == expect  # none lost, none duplicated
     if speculative:
         assert sum(lp.scheduler.stats.spec_accepted_tokens for lp in app.loops) > 0
+    if variant == "split":
+        assert sum(lp.scheduler.stats.mode_counts["SPLIT_PREFILL"] for lp in app.loops) > 0
     states = {s.rank: s.state for s in app.table.status()}
     assert states[1] == admin_pb2.RANK_STATE_GONE and states[0] == states[2] == admin_pb2.RANK_STATE_READY
     assert app.table.ranks()[1].loop is not None and app.table.ranks()[1].loop.error

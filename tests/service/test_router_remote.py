@@ -14,7 +14,7 @@ from modeserve.engine.config import SchedulerConfig
 from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.router.remote import RemoteRouterConfig, start_remote_router
 from tests.engine.tiny_models import COMMON, mixed_prompts
-from tests.service.test_serve import exact_streams, generate_all, reference
+from tests.service.test_serve import exact_streams, generate_all, reference, wait_idle
 
 
 def spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
@@ -106,3 +106,22 @@ def test_router_command(engines: list[str], tiny_model: Path) -> None:
         client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_split_prefill_streams_over_a_remote_engine_equal_llm_generate(engines: list[str], tiny_model: Path) -> None:
+    """The router's scheduler sends a long prompt's prefill a layer a step (SPLIT_PREFILL over the wire,
+    the layer range in the batch) between the decode steps of the others; the engine keeps the hidden
+    state between them; every stream equals ``LLM.generate`` and the KV pool is idle afterwards."""
+    app = start_remote_router("127.0.0.1:0", engines[:1], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=64, enable_split_prefill=True, split_prefill_min_tokens=24,
+                        split_prefill_token_budget=24)))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        prompts = mixed_prompts(24, COMMON["vocab_size"], seed=10, max_len=60)
+        exact_streams(client, tiny_model, prompts, 12)
+        stats = app.loops[0].scheduler.stats.get_stats()
+        assert stats["mode_distribution"].get("SPLIT_PREFILL", 0) >= 2
+        wait_idle(app)
+    finally:
+        client.close()
+        app.stop(grace=1)
