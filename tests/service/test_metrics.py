@@ -113,3 +113,27 @@ def test_speculative_metrics_count_what_the_streams_carried(tiny_model: Path) ->
     assert sum(len(o.token_ids) for o in outs) == len(PROMPTS) * 20 == len(PROMPTS) + decode_tokens + emitted
     steps_e = by_mode(eng, "modeserve_forward_steps_total", dp_rank="0")
     assert steps_e["TARGET_VERIFY"] == by_mode(router, "modeserve_forward_steps_total")["TARGET_VERIFY"] > 0
+
+
+def test_split_prefill_steps_are_counted_by_router_and_engine(tiny_model: Path) -> None:
+    """A long prompt arriving while another request decodes runs as SPLIT_PREFILL steps (a layer each);
+    the router's and the engine's /metrics count the same steps of the mode."""
+    cfg = EngineConfig.from_kwargs(model=str(tiny_model), page_size=4, kv_cache_tokens=4096)
+    engine = create_engine_server(ModelRunner(cfg.runner, open_checkpoint(tiny_model)), "127.0.0.1:0",
+                                  model_path=str(tiny_model), dp_rank=0, metrics_port=0)
+    app = start_remote_router("127.0.0.1:0", [f"127.0.0.1:{engine.port}"], None, RemoteRouterConfig(
+        SchedulerConfig(enable_split_prefill=True, split_prefill_min_tokens=40, split_prefill_token_budget=40),
+        metrics_port=0))
+    try:
+        client = GenerateClient(f"127.0.0.1:{app.port}")
+        stream = client.stream(token_ids=[5, 6, 7], max_new_tokens=100, ignore_eos=True)
+        next(iter(stream))  # decoding
+        assert len(client.generate(token_ids=list(range(10, 70)), max_new_tokens=4, ignore_eos=True).token_ids) == 4
+        assert sum(len(m.token_ids) for m in stream) > 0
+        client.close()
+        router, eng = scrape(app.metrics.port), scrape(engine.metrics.port)
+    finally:
+        app.stop(grace=1)
+        engine.stop(1)
+    steps_e = by_mode(eng, "modeserve_forward_steps_total", dp_rank="0")
+    assert steps_e["SPLIT_PREFILL"] == by_mode(router, "modeserve_forward_steps_total")["SPLIT_PREFILL"] == 2

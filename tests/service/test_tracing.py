@@ -259,3 +259,36 @@ def test_verify_step_spans_say_drafts_and_kept(tiny_model: Path) -> None:
     assert len(verifies) == spec["verify_steps"] > 0
     assert sum(a["modeserve.spec.draft_tokens"] for a in verifies) == spec["draft_tokens"]
     assert sum(a["modeserve.spec.accepted_tokens"] for a in verifies) == spec["accepted_tokens"] > 0
+
+
+def test_split_prefill_spans_say_their_layers(tiny_model: Path) -> None:
+    """A long prompt arriving while others decode: its SPLIT_PREFILL forward spans say their layer ranges,
+    which tile the model's layers once."""
+    import threading
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.router.in_process import start_serve
+    from tests.engine.tiny_models import COMMON
+
+    exporter = InMemorySpanExporter()
+    app = start_serve("127.0.0.1:0", str(tiny_model), tracing=Tracing("router", 0, env={}, exporter=exporter),
+                      page_size=4, enable_split_prefill=True, split_prefill_min_tokens=40, split_prefill_token_budget=40)
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        decoding = threading.Thread(target=client.generate, kwargs=dict(token_ids=[5, 6, 7], max_new_tokens=200,
+                                                                        ignore_eos=True))
+        decoding.start()
+        while not app.loops[0].scheduler.stats.mode_counts["DECODE"]:
+            time.sleep(0.01)
+        out = client.generate(token_ids=list(range(10, 70)), max_new_tokens=4, ignore_eos=True)
+        assert len(out.token_ids) == 4
+        decoding.join()
+    finally:
+        client.close()
+        app.stop(grace=1)
+    splits = [s.attributes for s in exporter.get_finished_spans() if s.name == "modeserve.forward"
+              and s.attributes["modeserve.forward_mode"] == "SPLIT_PREFILL"]
+    layers = sorted((a["modeserve.split.layer_begin"], a["modeserve.split.layer_end"]) for a in splits)
+    assert layers == [(i, i + 1) for i in range(COMMON["num_hidden_layers"])]  # 60 tokens, budget 40: a layer a slice
