@@ -93,6 +93,26 @@ def test_mixed_workload_equals_split_off_and_transformers(arch: tuple[Path, list
     assert llm.runner.split.held_slots == ()
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_split_prefill_with_speculative_decoding(tiny_llama_4: Path, algorithm: str) -> None:
+    """Verify steps between the slices (n-gram drafts; or a draft model, whose DRAFT_EXTEND runs with the
+    first slice): the outputs are still transformers' greedy ones."""
+    spec: dict[str, Any] = dict(speculative_algorithm=algorithm)
+    if algorithm == "draft":
+        spec["speculative_draft_model"] = str(tiny_llama_4)
+    llm = LLM(model=str(tiny_llama_4), page_size=4, kv_cache_tokens=4096, **spec, **SPLIT)
+    short = [p * 3 for p in SHORT]  # repeats: n-gram drafts
+    ref = load_reference(tiny_llama_4)
+    want = [reference_greedy(ref, p, SHORT_TOKENS) for p in short] + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
+    assert mixed_workload(llm, short, LONG) == want
+    stats = llm.stats()
+    # the first long prompt is split a layer a slice; later ones in fewer slices once nothing decodes
+    assert stats["mode_distribution"]["SPLIT_PREFILL"] >= NUM_LAYERS
+    assert stats["mode_distribution"]["TARGET_VERIFY"] > 0 and stats["speculative"]["accepted_tokens"] > 0
+    if algorithm == "draft":  # the draft's prefill of every prompt: the shorts' EXTEND and each split's first slice
+        assert stats["tokens_by_mode"]["DRAFT_EXTEND"] >= sum(map(len, short + LONG))
+
+
 def _extend_batch(prompt: list[int], mode: ForwardMode, layers: LayerRange | None, slot: int,
                   admit: bool) -> ForwardBatch:
     n = len(prompt)
