@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple
 
 from .config import EngineConfig
 from .default_model import default_model_path
+from .models.dllm_spec import resolve_dllm
 from .models.loader import Checkpoint, open_checkpoint
 from .runner.model_runner import ModelRunner
 from .tokenizer import Tokenizer, load_tokenizer
@@ -35,9 +36,10 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
         draft = open_checkpoint(config.runner.speculative_draft_model, config.runner.load_format)
         check_draft(ckpt, tokenizer, draft, load_tokenizer(draft.path) if draft.path != ckpt.path else tokenizer)
     sched = config.scheduler
+    dllm = resolve_dllm(ckpt.config, config.runner.dllm_block_size, config.runner.dllm_mask_token_id)
     runner = ModelRunner(config.runner, ckpt, progress, draft,
                          sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0,
-                         (sched.speculative_ngram_min, sched.speculative_ngram_max))
+                         (sched.speculative_ngram_min, sched.speculative_ngram_max), dllm)
     return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)))
 
 

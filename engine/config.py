@@ -32,6 +32,10 @@ class RunnerConfig:
     piecewise_cuda_graph_max_tokens: int = 2048
     # speculative_algorithm "draft": the draft model (HF folder or .gguf) that runs beside the target
     speculative_draft_model: str | None = None
+    # block-diffusion models (SDAR): the block and the mask token, where the checkpoint's config.json
+    # has no block_size / mask_token_id (or to override them)
+    dllm_block_size: int | None = None
+    dllm_mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -54,6 +58,8 @@ class RunnerConfig:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        if self.dllm_block_size is not None and self.dllm_block_size < 1:
+            raise ValueError(f"dllm_block_size must be >= 1, got {self.dllm_block_size}")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -84,6 +90,11 @@ class SchedulerConfig:
     enable_split_prefill: bool = False
     split_prefill_token_budget: int = 65536  # tokens x layers a SPLIT_PREFILL step
     split_prefill_min_tokens: int = 4096  # shorter prompts prefill as EXTEND/MIXED steps
+    # block diffusion (LowConfidence): a step unmasks every position whose probability is >= dllm_threshold,
+    # at least the most confident one, and all that are left by the block's dllm_max_steps_per_block-th step
+    # (None: the block size)
+    dllm_threshold: float = 0.95
+    dllm_max_steps_per_block: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm not in (None, "ngram", "draft"):
@@ -103,6 +114,10 @@ class SchedulerConfig:
             raise ValueError(f"split_prefill_token_budget must be >= 1, got {self.split_prefill_token_budget}")
         if self.split_prefill_min_tokens < 1:
             raise ValueError(f"split_prefill_min_tokens must be >= 1, got {self.split_prefill_min_tokens}")
+        if not 0.0 <= self.dllm_threshold <= 1.0:
+            raise ValueError(f"dllm_threshold must be in [0, 1], got {self.dllm_threshold}")
+        if self.dllm_max_steps_per_block is not None and self.dllm_max_steps_per_block < 1:
+            raise ValueError(f"dllm_max_steps_per_block must be >= 1, got {self.dllm_max_steps_per_block}")
 
 
 @dataclass(frozen=True)

@@ -115,5 +115,8 @@ class ForwardResult:
     # its first accepted_lengths[r] drafts and the token after them (its run's first
     # accepted_lengths[r] + 1 tokens)
     accepted_lengths: np.ndarray | None = None  # [B] int64
+    # DLLM_EXTEND: next_token_ids is the token chosen at every position of each sampled row's block, this
+    # its probability [S * block size] float32
+    confidences: np.ndarray | None = None
     cuda_graph_bucket: int | None = None  # the CUDA-graph bucket the step replayed; None: it ran eagerly
     forward_seconds: float = 0.0  # the engine's time for the step (set where the step loop times it)

@@ -56,7 +56,9 @@ MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
     # TARGET_VERIFY steps), counted in the statistics; never a batch's own mode, so a batch naming it
     # is refused (the target would run it as a plain extend)
     ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
-    ForwardMode.DLLM_EXTEND: ModeTraits(True, False, True, True, False, "diffusion LM block denoising"),
+    # a block-diffusion model's every step: prompt blocks and the block being denoised (block-causal
+    # attention); eager for now (CUDA graphs per batch bucket are not captured yet)
+    ForwardMode.DLLM_EXTEND: ModeTraits(True, False, False, True, True, "diffusion LM block denoising"),
     # one request's prefill (or prefill chunk), a slice of layers a step, between the decode steps; it
     # samples on its last slice only
     ForwardMode.SPLIT_PREFILL: ModeTraits(True, False, False, True, True, "a prefill run a slice of layers per step"),

@@ -55,6 +55,7 @@ class LLM:
             eos_token_ids=parts.eos_token_ids,
             decode=self._decode if self.tokenizer is not None else None,
             num_layers=self.model_config.num_layers,
+            dllm_spec=self.runner.dllm,
         )
         self._ids = itertools.count()
 

@@ -44,6 +44,10 @@ class Req:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # block diffusion: the block being denoised (``scheduler.dllm.Block``), and how many leading tokens'
+    # KV is final (their blocks' last forward has been sent)
+    block: Any = None
+    kv_final: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SDARForCausalLM": "sdar",  # block diffusion (DLLM_EXTEND) in the Qwen3 layout
 }
 
 
@@ -43,6 +44,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     name: str = ""
+    # block diffusion (SDAR): blocks of ``dllm_block_size`` tokens denoised from ``dllm_mask_token_id``;
+    # None where the checkpoint does not say (engine arguments fill in)
+    is_dllm: bool = False
+    dllm_block_size: int | None = None
+    dllm_mask_token_id: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -103,9 +109,13 @@ def parse_model_config(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "sdar"),
         sliding_window=int(window) if window else None,
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         bos_token_id=cfg.get("bos_token_id"),
         name=name,
+        is_dllm=family == "sdar",
+        dllm_block_size=int(cfg["block_size"]) if family == "sdar" and cfg.get("block_size") else None,
+        dllm_mask_token_id=int(cfg["mask_token_id"]) if family == "sdar" and cfg.get("mask_token_id") is not None
+        else None,
     )

@@ -17,6 +17,7 @@ import torch
 from ..config import RunnerConfig, SchedulerConfig
 from ..forward_batch import ForwardBatch, ForwardResult
 from ..forward_mode import ForwardMode
+from ..models.dllm_spec import DllmSpec
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
 from . import sampler, spec_accept
@@ -51,13 +52,15 @@ VERIFY_GRAPH_MAX_BS = 64  # TARGET_VERIFY (and draft DECODE) graphs: speculation
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
                  draft: Checkpoint | None = None, verify_queries: int = 0,
-                 ngram: tuple[int, int] | None = None) -> None:
+                 ngram: tuple[int, int] | None = None, dllm: DllmSpec | None = None) -> None:
         """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``).
         ``verify_queries``: k + 1 with speculative decoding (TARGET_VERIFY steps of k drafts a request
         replay graphs; other verify steps run eagerly), 0 without. ``ngram``: (min, max) suffix of the
         n-gram drafts of chained verify rows, made on the device (``chained_verify``); default: those
-        of ``SchedulerConfig`` (a router's scheduler may speculate over an engine started without)."""
+        of ``SchedulerConfig`` (a router's scheduler may speculate over an engine started without). ``dllm``:
+        a block-diffusion model's block (``models.dllm_spec.resolve_dllm``): it runs DLLM_EXTEND steps only."""
         self.cfg = cfg
+        self.dllm = dllm
         self.verify_queries = verify_queries
         self.model_config = ckpt.config
         self.device = torch.device(cfg.device)
@@ -77,6 +80,9 @@ class ModelRunner:
                                                              SchedulerConfig.speculative_ngram_max)),
                                      self.kernel_ops.chain_verify_rows)
         self._init_attention()
+        if dllm is not None and self.attention_backend_name != "torch":
+            raise ValueError(f"block-diffusion attention (DLLM_EXTEND) runs on the torch attention backend only so "
+                             f"far, not {self.attention_backend_name}: pass attention_backend='torch'")
         self._init_cuda_graphs(progress)
         self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
                                  self.kernel_ops, self.slots.req_to_token, self._verify_graph_max_bs)
@@ -162,6 +168,7 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``; logits [S, V] (the model's dtype) of the rows that sample."""
         batch.forward_mode.require_supported()
+        self._check_model_kind(batch.forward_mode)
         self.split.release(batch.released_slots)
         if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
             self.split.check(batch)  # before anything is recorded
@@ -189,7 +196,7 @@ class ModelRunner:
             bucket = graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if graphs is not None and bucket is not None:
             return self._replay(batch, graphs, bucket, chained)
-        sample_idx_np = batch.sample_token_index()  # [S]
+        sample_idx_np = self._dllm_block_index(batch) if self.dllm is not None else batch.sample_token_index()  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
@@ -214,6 +221,23 @@ class ModelRunner:
         if hidden is None:
             return torch.zeros(0, self.model_config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[sample_idx])
+
+    def _check_model_kind(self, mode: ForwardMode) -> None:
+        """A block-diffusion model takes DLLM_EXTEND (and IDLE) steps only; an autoregressive one, no DLLM_EXTEND."""
+        if self.dllm is not None and mode not in (ForwardMode.DLLM_EXTEND, ForwardMode.IDLE):
+            raise ValueError(f"forward mode {mode.name}: this engine serves a block-diffusion model, which runs "
+                             f"DLLM_EXTEND steps only")
+        if self.dllm is None and mode == ForwardMode.DLLM_EXTEND:
+            raise ValueError("forward mode DLLM_EXTEND: this engine serves an autoregressive model")
+
+    def _dllm_block_index(self, batch: ForwardBatch) -> np.ndarray:
+        """[S * block size] the tokens of each sampled row's block (its last block-size tokens)."""
+        assert self.dllm is not None
+        size = self.dllm.block_size
+        ends = np.cumsum(batch.extend_lens)[batch.sample_mask]
+        if (batch.extend_lens[batch.sample_mask] < size).any():
+            raise ValueError(f"DLLM_EXTEND: a sampled row carries fewer tokens than a block ({size})")
+        return (ends[:, None] - size + np.arange(size)).reshape(-1)
 
     def _record(self, batch: ForwardBatch, chained: np.ndarray | None, rows: torch.Tensor, positions: torch.Tensor,
                 out_cache_loc: torch.Tensor, input_ids: torch.Tensor, req_pool: torch.Tensor,
@@ -244,6 +268,7 @@ class ModelRunner:
             dtype=self.dtype,
             req_pool_indices_cpu=batch.req_pool_indices,
             req_to_page_cpu=self.slots.req_to_page,
+            block_size=self.dllm.block_size if self.dllm is not None else 0,
         )
 
     def _drafted(self, batch: ForwardBatch, input_ids: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -312,6 +337,8 @@ class ModelRunner:
         if logits.shape[0] == 0:
             empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
             return PendingResult([], lambda _: empty)
+        if self.dllm is not None:
+            return self._dllm_result(batch, logits)
         slots, seq_lens = batch.sample_rows()
         slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
         verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
@@ -344,6 +371,26 @@ class ModelRunner:
             lambda h: ForwardResult(next_token_ids=h[0], logprobs=h[1], top_logprob_ids=h[2],
                                     top_logprob_values=h[3], cuda_graph_bucket=bucket),
         )
+
+    def _dllm_result(self, batch: ForwardBatch, logits: torch.Tensor) -> PendingResult[ForwardResult]:
+        """Each sampled block's tokens, one a position from that position's logits (argmax at temperature 0,
+        else a seeded draw at its position: batch-independent), and their probabilities (at the request's
+        temperature, before top-k/top-p)."""
+        assert self.dllm is not None
+        size = self.dllm.block_size
+        slots = np.repeat(batch.req_pool_indices[batch.sample_mask], size)
+        positions = (batch.seq_lens[batch.sample_mask][:, None] - size + np.arange(size)).reshape(-1)
+        logits = logits.float()
+        if self.slots.is_plain_greedy(slots):
+            probs = torch.softmax(logits, dim=-1)
+            conf, next_ids = probs.max(dim=-1)
+        else:
+            st, _ = self.slots.sampling_tensors(slots, positions)
+            next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
+            temp = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
+            conf = torch.softmax(logits / temp[:, None], dim=-1).gather(1, next_ids[:, None])[:, 0]
+        return PendingResult([next_ids, conf],
+                             lambda h: ForwardResult(next_token_ids=h[0], confidences=h[1].astype(np.float32)))
 
     def _accept(self, batch: ForwardBatch, next_ids: torch.Tensor,
                 logprobs: list[torch.Tensor]) -> PendingResult[ForwardResult]:

@@ -43,6 +43,12 @@ class KVManager:
         req.cache_node, req.kv_locs, req.num_cached = match.node, list(match.kv_locs), len(match.kv_locs)
         return req.num_cached
 
+    def shorten_match(self, req: Req, n: int) -> None:
+        """Use only the first ``n`` tokens of the prefix ``match_prefix`` borrowed (``n`` page-aligned; the
+        matched node stays locked, keeping the rest cached too, until the request releases it)."""
+        del req.kv_locs[n:]
+        req.num_cached = min(req.num_cached, n)
+
     def undo_match(self, req: Req) -> None:
         if self.cache is not None and req.cache_node is not None:
             self.cache.unlock(req.cache_node)

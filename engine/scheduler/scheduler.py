@@ -21,6 +21,8 @@ from ..forward_mode import ForwardMode, determine_forward_mode
 from ..request import PLACEHOLDER, FinishReason, Req, ReqStatus
 from ..request_limits import RequestLimits, check_prompt
 from ..sampling_params import SamplingParams
+from ..models.dllm_spec import DllmSpec
+from . import dllm
 from .kv_manager import KVManager
 from .speculative import make_drafter, record_draft_steps, verify_arrays
 from .stats import ForwardModeStats
@@ -42,6 +44,12 @@ class _Split:
 
     item: _Item
     next_layer: int = 0
+
+
+class _DllmRow(NamedTuple):
+    req: Req
+    before: int  # whole-block tokens before its current block this step computes (their KV final after it)
+    samples: bool  # the row carries the current block (else: a prompt's whole blocks only, over budget)
 
 
 class _Sample(NamedTuple):  # one per request per step: a tuple is made faster than a frozen dataclass
@@ -77,8 +85,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         decode: Callable[[list[int]], str] | None = None,
         num_layers: int = 0,
+        dllm_spec: DllmSpec | None = None,
     ) -> None:
-        """``num_layers``: the model's decoder layers (split prefill slices them; needed with it on)."""
+        """``num_layers``: the model's decoder layers (split prefill slices them; needed with it on).
+        ``dllm_spec``: a block-diffusion model's block (its requests run DLLM_EXTEND steps only)."""
         if cfg.enable_split_prefill and num_layers < 1:
             raise ValueError("enable_split_prefill needs the model's number of layers (num_layers >= 1)")
         self.cfg = cfg
@@ -101,6 +111,11 @@ class Scheduler:
         self._split: _Split | None = None
         self._slice_due = False  # the split's next slice comes before the next decode step
         self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
+        self.dllm = dllm_spec
+        self._dllm_in_flight: set[Req] = set()  # a block's next step needs this one's result
+        if dllm_spec is not None and (cfg.speculative_algorithm or cfg.enable_split_prefill or cfg.enable_mixed):
+            raise ValueError("a block-diffusion model runs DLLM_EXTEND steps only: speculative decoding, split "
+                             "prefill and MIXED steps are for autoregressive models")
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -115,8 +130,19 @@ class Scheduler:
             check_prompt(prompt_ids, sampling.max_new_tokens, self.limits)
         except ValueError as exc:
             raise ValueError(f"request {rid}: {exc}") from exc
+        if self.dllm is not None:
+            self._check_dllm_request(rid, prompt_ids, sampling, self.dllm)
         seed = sampling.seed if sampling.seed is not None else self.rng.getrandbits(63)
         return Req(rid=rid, prompt_ids=list(prompt_ids), sampling=sampling, seed=seed)
+
+    def _check_dllm_request(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, spec: DllmSpec) -> None:
+        if sampling.logprobs is not None:
+            raise ValueError(f"request {rid}: logprobs are not available from a block-diffusion model")
+        if (sampling.frequency_penalty, sampling.presence_penalty, sampling.repetition_penalty) != (0.0, 0.0, 1.0):
+            raise ValueError(f"request {rid}: penalties are not available with a block-diffusion model")
+        if len(prompt_ids) // spec.block_size * spec.block_size + spec.block_size > self.max_context:
+            raise ValueError(f"request {rid}: a prompt of {len(prompt_ids)} tokens leaves no room for a block of "
+                             f"{spec.block_size} within max_context {self.max_context}")
 
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
@@ -153,6 +179,8 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledStep | None:
         self.step_no += 1
+        if self.dllm is not None:
+            return self._schedule_dllm(self.dllm)
         decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)]
         verifies = decodes
         if self.drafter is not None:  # a request whose step is in flight verifies again only chained
@@ -223,6 +251,128 @@ class Scheduler:
         if layers.end == self.num_layers:
             self._split = None
         return self._build([split.item], [], split_layers=layers)
+
+    # ---- block diffusion ------------------------------------------------------------------------
+    def _schedule_dllm(self, spec: DllmSpec) -> ScheduledStep | None:
+        """A DLLM_EXTEND step: each running request's row is the whole blocks before its current block that
+        lack final KV (the prompt's, or the block committed last step), then the current block, which samples;
+        a prompt longer than the step's prefill budget runs whole blocks only until the rest fits."""
+        budget = self.cfg.chunked_prefill_size or self.max_context * self.cfg.max_running_requests
+        rows: list[_DllmRow] = []
+        for req in list(self.running):
+            if req in self._dllm_in_flight or req.status != ReqStatus.RUNNING:
+                continue
+            row = self._dllm_row(req, spec, budget, preempt=True)
+            if row is not None:
+                rows.append(row)
+                budget -= row.before
+        while self.waiting and self.free_slots and budget >= spec.block_size:
+            req = self.waiting[0]
+            whole = math.lcm(spec.block_size, self.kv.page_size)
+            hit = self.kv.match_prefix(req) // whole * whole
+            self.kv.shorten_match(req, hit)  # cached KV is reused by whole blocks (a block's KV needs all of it)
+            req.kv_final, req.block = hit, None
+            row = self._dllm_row(req, spec, budget, preempt=False)
+            if row is None:
+                self.kv.undo_match(req)
+                req.kv_final, req.block = 0, None
+                break
+            self.waiting.popleft()
+            self._admit(req, hit)
+            rows.append(row)
+            budget -= row.before
+        rows = [row for row in rows if row.req.status == ReqStatus.RUNNING]  # a row's KV may have preempted another
+        if not rows:
+            if self.running and not self._dllm_in_flight:  # nothing fits the KV pool: free some
+                self._retract(self.running[-1])
+                return self._schedule()
+            return None
+        return self._build_dllm(rows, spec)
+
+    def _dllm_row(self, req: Req, spec: DllmSpec, budget: int, preempt: bool) -> _DllmRow | None:
+        """``req``'s row this step, its KV reserved (``preempt``: newer requests preempted for it); None when
+        there is no KV for it."""
+        if req.block is None:
+            req.block = dllm.new_block(req.fill_ids, spec.block_size, spec.mask_token_id)
+        start = req.block.start
+        before = start - req.kv_final
+        if before > max(budget, spec.block_size):  # prefill only: whole blocks
+            before = max(budget // spec.block_size, 1) * spec.block_size
+            return _DllmRow(req, before, False) if self._dllm_reserve(req, req.kv_final + before, preempt) else None
+        ok = self._dllm_reserve(req, start + spec.block_size, preempt)
+        return _DllmRow(req, before, True) if ok else None
+
+    def _dllm_reserve(self, req: Req, end: int, preempt: bool) -> bool:
+        """KV slots of ``req`` up to position ``end``, preempting the newest requests while there are none."""
+        while req.num_computed < end and self.kv.alloc(req, end - req.num_computed) is None:
+            if not preempt or req.status != ReqStatus.RUNNING:
+                return False
+            self._retract(self.running[-1])
+        return req.status == ReqStatus.RUNNING or not preempt
+
+    def _build_dllm(self, rows: list[_DllmRow], spec: DllmSpec) -> ScheduledStep:
+        items, samples, ids = [], [], []
+        for row in rows:
+            req, block = row.req, row.req.block
+            assert block is not None
+            ids.extend(req.tokens(req.kv_final, req.kv_final + row.before))
+            if row.samples:
+                ids.extend(block.tokens.tolist())
+                samples.append(_Sample(req, len(req.output_ids), False))
+                self._dllm_in_flight.add(req)
+            items.append(_Item(req, req.kv_final, row.before + (spec.block_size if row.samples else 0)))
+            req.kv_final += row.before
+        arrays = self._extend_arrays(items)
+        arrays["input_ids"] = np.asarray(ids, dtype=np.int64)
+        arrays["sample_mask"] = np.array([row.samples for row in rows], dtype=bool)
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DLLM_EXTEND,
+            req_pool_indices=np.array([row.req.req_pool_idx for row in rows], dtype=np.int64),
+            admissions=tuple(self._admissions), slot_updates=tuple(self.pending_updates), step=self.step_no, **arrays)
+        self._admissions.clear()
+        self.pending_updates.clear()
+        self.stats.record(ForwardMode.DLLM_EXTEND, batch.batch_size, batch.num_tokens)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s | running=%d waiting=%d", self.stats.log_line(self.step_no, ForwardMode.DLLM_EXTEND,
+                                                                        batch.batch_size, batch.num_tokens),
+                        len(self.running), len(self.waiting))
+        return ScheduledStep(batch, tuple(row.req for row in rows), tuple(samples))
+
+    def _process_dllm(self, step: ScheduledStep, result: ForwardResult, spec: DllmSpec) -> list[ReqEvent]:
+        """Each sampled block's unmasking (LowConfidence); a block with no mask left commits its tokens after
+        the prompt, token by token through the stop checks."""
+        assert result.confidences is not None or not step.samples
+        size, events = spec.block_size, []
+        tokens, conf = result.next_token_ids, result.confidences
+        max_steps = self.cfg.dllm_max_steps_per_block or size
+        for i, sample in enumerate(step.samples):
+            req = sample.req
+            self._dllm_in_flight.discard(req)
+            if req.finished or req.status != ReqStatus.RUNNING or req.block is None:
+                continue  # aborted or preempted while the step ran
+            block = req.block
+            masked = int((block.tokens == spec.mask_token_id).sum())
+            dllm.low_confidence(block, spec.mask_token_id, tokens[i * size : (i + 1) * size],
+                                conf[i * size : (i + 1) * size], self.cfg.dllm_threshold, max_steps)
+            self.stats.record_dllm_unmasked(masked - int((block.tokens == spec.mask_token_id).sum()))
+            if dllm.is_done(block, spec.mask_token_id):
+                events.append(self._commit_block(req, block, spec))
+        return events
+
+    def _commit_block(self, req: Req, block: dllm.Block, spec: DllmSpec) -> ReqEvent:
+        """A block with no mask left: its tokens after the prompt become outputs, through the stop checks;
+        the request ends at the context limit if no further block fits."""
+        req.block = None
+        run: list[int] = []
+        for token in block.tokens[max(req.fill_len - block.start, 0):].tolist():
+            req.output_ids.append(token)
+            run.append(token)
+            if self._stop_after(req, len(req.output_ids)):
+                break
+        if not req.finished and req.fill_len // spec.block_size * spec.block_size + spec.block_size > self.max_context:
+            self._release(req)
+            self._finish(req, "length")
+        return ReqEvent(req, tuple(run), req.finished)
 
     def _may_chain(self, req: Req) -> bool:
         """Whether ``req``'s next verify step may be built now, while its last one (its only step in flight)
@@ -303,6 +453,10 @@ class Scheduler:
         if self._split is not None and self._split.item.req is req:  # the engine drops its hidden state
             self._split = None
             self._released.append(req.req_pool_idx)
+        if self.dllm is not None:  # only final KV is cached: not the current block's, nor the last committed one's
+            self.kv.truncate(req, req.kv_final)
+            req.block, req.kv_final = None, 0
+            self._dllm_in_flight.discard(req)
         self.kv.release(req)
         self.running.remove(req)
         self.free_slots.append(req.req_pool_idx)
@@ -412,6 +566,8 @@ class Scheduler:
         """
         if step.batch.forward_mode == ForwardMode.TARGET_VERIFY:
             return self._process_verify(step, result)
+        if self.dllm is not None:
+            return self._process_dllm(step, result, self.dllm)
         events: list[ReqEvent] = []
         tokens = result.next_token_ids.tolist()  # Python ints at once, not a numpy scalar per row
         for i, sample in enumerate(step.samples):

@@ -32,11 +32,16 @@ class ForwardModeStats:
         self.spec_verify_steps = 0
         self.spec_chained_rows = 0  # verify rows built while the request's last verify step ran (overlap)
         self.spec_acceptance_lengths: dict[int, int] = defaultdict(int)  # tokens a verify emitted for a request -> count
+        self.dllm_unmasked: dict[int, int] = defaultdict(int)  # tokens a DLLM_EXTEND step unmasked in a block -> count
 
     def record_acceptance(self, kept: int) -> None:
         """A request of a verify step kept ``kept`` drafts (it emits ``kept + 1`` tokens)."""
         self.spec_accepted_tokens += kept
         self.spec_acceptance_lengths[kept + 1] += 1
+
+    def record_dllm_unmasked(self, n: int) -> None:
+        """A DLLM_EXTEND step unmasked ``n`` tokens of a request's block."""
+        self.dllm_unmasked[n] += 1
 
     def acceptance_histogram(self, max_length: int) -> tuple[list[tuple[float, int]], int]:
         """(cumulative (upper bound, count) pairs for lengths 1 .. ``max_length`` and +inf, sum of lengths)."""
@@ -85,4 +90,5 @@ class ForwardModeStats:
             "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
             "speculative": {"draft_tokens": self.spec_draft_tokens, "accepted_tokens": self.spec_accepted_tokens,
                             "verify_steps": self.spec_verify_steps, "chained_rows": self.spec_chained_rows},
+            "dllm_unmasked_per_step": dict(sorted(self.dllm_unmasked.items())),
         }

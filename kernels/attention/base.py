@@ -30,6 +30,9 @@ class AttentionInputs:
     # host copies for planning without device syncs (None where the caller has none)
     req_pool_indices_cpu: np.ndarray | None = None  # [B] int64
     req_to_page_cpu: np.ndarray | None = None  # [max_reqs, max_pages] int32: page of each request's k-th page
+    # > 0: block-causal (DLLM_EXTEND): a query sees every key of its own block of this size and of the blocks
+    # before it (blocks at multiples of it from position 0); 0: causal
+    block_size: int = 0
 
     @property
     def one_token_per_row(self) -> bool:

@@ -1,7 +1,8 @@
 """Reference attention over the paged KV cache in plain torch (CPU default, correctness oracle).
 
 Decode rows (one query each) are batched into padded SDPA calls, one per group of similar lengths; extend rows run one SDPA per
-request with a bottom-right causal mask (queries at positions prefix..seq-1 see keys 0..their own).
+request with a bottom-right causal mask (queries at positions prefix..seq-1 see keys 0..their own), or a
+block-causal one for DLLM_EXTEND (a query sees the keys up to the end of its block).
 """
 
 from __future__ import annotations
@@ -57,16 +58,19 @@ class TorchAttentionBackend(AttentionBackend):
         start = 0
         for i, (prefix, ext) in enumerate(zip(inputs.prefix_lens_cpu, inputs.extend_lens_cpu)):
             seq = prefix + ext
-            if ext == 1:
+            if ext == 1 and not inputs.block_size:
                 decode_rows.append(i)
                 decode_tokens.append(start)
             else:
                 kv_idx = inputs.req_to_token[inputs.req_pool_indices[i], :seq]
                 mask: torch.Tensor | None = None
-                if prefix or (self.sliding_window is not None and seq > self.sliding_window):
+                if prefix or inputs.block_size or (self.sliding_window is not None and seq > self.sliding_window):
                     q_pos = torch.arange(prefix, seq, device=device)[:, None]
                     k_pos = torch.arange(seq, device=device)[None, :]
-                    allowed = k_pos <= q_pos
+                    if inputs.block_size:  # block-causal: up to the end of the query's block
+                        allowed = k_pos < (q_pos // inputs.block_size + 1) * inputs.block_size
+                    else:
+                        allowed = k_pos <= q_pos
                     if self.sliding_window is not None:
                         allowed &= q_pos - k_pos < self.sliding_window
                     mask = _additive(allowed, inputs.dtype)

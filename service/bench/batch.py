@@ -10,7 +10,23 @@ from typing import Any
 
 import torch
 
+from ...engine.config import RunnerConfig
 from ...engine.sampling_params import SamplingParams
+
+
+def add_runner_flags(p: argparse.ArgumentParser, shape: str | None = "llama-3.2-1b", device: str = "cuda") -> None:
+    """The flags ``model_folder`` and ``engine_kwargs`` read: the model (``shape`` None: the embedded
+    default model unless ``--shape`` or ``--model`` is given) and how its steps run."""
+    p.add_argument("--shape", default=shape,
+                   help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, or the path of a config.json")
+    p.add_argument("--model", default=None, help="a checkpoint instead of random weights of --shape")
+    p.add_argument("--device", default=device)
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
@@ -42,7 +58,7 @@ def vocab_size(folder: str | Path) -> int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``LLM`` arguments every GPU benchmark takes from its shared flags (``_gpu_bench_args``):
+    """The ``LLM`` arguments every GPU benchmark takes from its shared flags (``add_runner_flags``):
     model folder aside, where the model runs and how its steps launch."""
     return {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
             "disable_cuda_graph": args.disable_cuda_graph,

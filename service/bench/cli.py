@@ -1,14 +1,15 @@
-"""``modeserve bench ...``: benchmarks that print one JSON object (figure, peer or limit, ratio)."""
+"""``modeserve bench ...``: benchmarks that print JSON (figure, peer or limit, ratio): one object, or one a
+line as they are measured."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from ...engine.config import RunnerConfig
-from . import serving, speculative, streams
+from . import serving, speculative, split_prefill, streams
+from .batch import add_runner_flags
 from ..cli.engine_args import add_engine_args
 
 
@@ -43,6 +44,8 @@ def add_parser(sub: Any) -> None:
          "attention"),
         ("sampling", "the sampling step: torch reference vs the fused kernel, vs its bytes (GPU)", _sampling_args,
          "sampling"),
+        ("split-prefill", "decoders' ITL and a long prompt's TTFT: no chunking, chunked, MIXED, SPLIT_PREFILL",
+         split_prefill.add_arguments, "split_prefill"),
     )
     for name, help_text, add_arguments, module in benches:
         p = kinds.add_parser(name, help=help_text)
@@ -149,27 +152,21 @@ def _options(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def _gpu_bench_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
-    p.add_argument("--shape", default="llama-3.2-1b",
-                   help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, or the path of a config.json")
-    p.add_argument("--model", default=None, help="a checkpoint instead of random weights of --shape")
-    p.add_argument("--device", default="cuda")
+    add_runner_flags(p)
     p.add_argument("--input-len", type=int, default=input_len)
     p.add_argument("--output-len", type=int, default=output_len)
-    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
-                   help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
-    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="chunked prefill size")
     p.add_argument("--baseline", choices=["transformers", "none"], default="none")
 
 
 def _json_bench(module: str) -> Callable[[argparse.Namespace], int]:
-    """A sub-command that runs ``modeserve.service.bench.<module>.run`` (imported lazily) and prints its JSON."""
+    """A sub-command that runs ``modeserve.service.bench.<module>.run`` (imported lazily) and prints its JSON:
+    a dict on one line, or each object of an iterable on its own line as soon as it comes."""
 
     def run(args: argparse.Namespace) -> int:
-        print(json.dumps(importlib.import_module(f".{module}", __package__).run(args)))
+        out: dict[str, Any] | Iterable[dict[str, Any]] = importlib.import_module(f".{module}", __package__).run(args)
+        for line in [out] if isinstance(out, dict) else out:
+            print(json.dumps(line), flush=True)
         return 0
 
     return run
