@@ -1,0 +1,79 @@
+"""``modeserve bench split-prefill`` on a tiny random model (4 layers, 3 decoders, prompts of 96 and 160
+tokens): a JSON line per (prompt, setting) and a summary per prompt; each setting ran the steps it names
+in the long prompt's window (SPLIT_PREFILL slices only in the split settings, as many as the budget
+gives), the long prompt's first token is the same under every setting, every ratio is its figure over
+its reference."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from modeserve.engine.models.random_checkpoint import preset_config
+
+LENS = (96, 160)
+LABELS = ["no-chunking", "chunked-32", "mixed-0.3", "mixed-0.9", "split-96", "split-200"]
+# layers a slice: max(1, budget // prompt tokens) of 4 -> SPLIT_PREFILL steps
+SLICES = {("split-96", 96): 4, ("split-96", 160): 4, ("split-200", 96): 2, ("split-200", 160): 4}
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    shape = tmp_path_factory.mktemp("shape") / "config.json"
+    shape.write_text(json.dumps({**preset_config("tiny"), "num_hidden_layers": 4}))
+    # one thread: on a busy 2-core machine a second one spins and the run takes several times as long
+    done = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "bench", "split-prefill", "--shape", str(shape),
+                           "--num-decoders", "3", "--decoder-prompt-len", "16", "--prompt-lens", *map(str, LENS),
+                           "--chunk-sizes", "32", "--split-budgets", "96", "200", "--warmup-steps", "2",
+                           "--steady-steps", "4", "--solo-repeats", "1", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_one_line_per_prompt_and_setting_then_a_summary_per_prompt(lines: list[dict]) -> None:
+    rows, summaries = [r for r in lines if not r.get("summary")], [r for r in lines if r.get("summary")]
+    assert [(r["setting"], r["prompt_len"]) for r in rows] == [(s, n) for s in LABELS for n in LENS]
+    assert [s["prompt_len"] for s in summaries] == list(LENS) and lines[-2:] == summaries
+    for s in summaries:
+        mine = [r for r in rows if r["prompt_len"] == s["prompt_len"]]
+        assert s["meeting_goal"] == [r["setting"] for r in mine if r["meets_goal"]]
+        assert s["split_prefill_meets_goal"] == any(r["meets_goal"] for r in mine if r["mode"] == "split_prefill")
+        assert s["nearest_split"]["setting"] in ("split-96", "split-200")
+
+
+def test_each_setting_ran_its_own_steps_in_the_window(lines: list[dict]) -> None:
+    for r in (r for r in lines if not r.get("summary")):
+        steps, n = r["window_steps"], r["prompt_len"]
+        if r["mode"] == "split_prefill":
+            assert steps["SPLIT_PREFILL"] == SLICES[(r["setting"], n)] and "EXTEND" not in steps
+            assert steps["DECODE"] >= steps["SPLIT_PREFILL"] - 1  # by turns with the decode steps
+        else:
+            assert "SPLIT_PREFILL" not in steps
+        if r["mode"] == "no_chunking":
+            assert steps["EXTEND"] == 1
+        if r["mode"] == "chunked":  # prefill steps come first: the chunks back to back
+            assert steps["EXTEND"] == math.ceil(n / 32)
+        if r["mode"] == "mixed":
+            assert steps["MIXED"] >= 1 and "EXTEND" not in steps
+        assert r["num_gaps"] >= r["num_decoders"]  # every decoder has a gap across the window
+
+
+def test_the_long_prompt_gives_one_first_token_under_every_setting(lines: list[dict]) -> None:
+    for n in LENS:
+        rows = [r for r in lines if r["prompt_len"] == n and not r.get("summary")]
+        assert len({r["first_token"] for r in rows}) == 1 and all(r["first_token_matches_solo"] for r in rows)
+
+
+def test_every_ratio_is_its_figure_over_its_reference(lines: list[dict]) -> None:
+    for r in (r for r in lines if not r.get("summary")):
+        assert 0 < r["steady_itl_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+        assert r["itl_p99_vs_steady"] == pytest.approx(r["itl_p99_ms"] / r["steady_itl_ms"], rel=0.01)
+        assert r["itl_p50_vs_steady"] == pytest.approx(r["itl_p50_ms"] / r["steady_itl_ms"], rel=0.01)
+        assert r["ttft_vs_solo"] == pytest.approx(r["ttft_ms"] / r["solo_prefill_ms"], rel=0.01)
+        at_edge = abs(r["itl_p99_vs_steady"] - 1.5) < 0.01 or abs(r["ttft_vs_solo"] - 1.25) < 0.01  # rounding
+        assert at_edge or r["meets_goal"] == (r["itl_p99_vs_steady"] <= 1.5 and r["ttft_vs_solo"] <= 1.25)
