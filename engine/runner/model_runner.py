@@ -381,6 +381,7 @@ class ModelRunner:
         slots = np.repeat(batch.req_pool_indices[batch.sample_mask], size)
         positions = (batch.seq_lens[batch.sample_mask][:, None] - size + np.arange(size)).reshape(-1)
         logits = logits.float()
+        logits[:, self.dllm.mask_token_id] = float("-inf")  # a position is never unmasked to the mask itself
         if self.slots.is_plain_greedy(slots):
             probs = torch.softmax(logits, dim=-1)
             conf, next_ids = probs.max(dim=-1)

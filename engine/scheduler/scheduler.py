@@ -110,6 +110,7 @@ class Scheduler:
         self._verifying: dict[Req, list[int]] = {}
         self._split: _Split | None = None
         self._slice_due = False  # the split's next slice comes before the next decode step
+        self._after_slice = False  # the last step built was a slice (a split starting now waits a decode step)
         self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
         self.dllm = dllm_spec
         self._dllm_in_flight: set[Req] = set()  # a block's next step needs this one's result
@@ -230,7 +231,7 @@ class Scheduler:
         if items[0].length < self.cfg.split_prefill_min_tokens:
             return self._build(items, [])
         self._split = _Split(items[0])
-        self._slice_due = True
+        self._slice_due = not self._after_slice  # the decoders between two splits' slices too
         return self._split_turn(decodes, verifies)
 
     def _split_turn(self, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
@@ -341,7 +342,9 @@ class Scheduler:
     def _process_dllm(self, step: ScheduledStep, result: ForwardResult, spec: DllmSpec) -> list[ReqEvent]:
         """Each sampled block's unmasking (LowConfidence); a block with no mask left commits its tokens after
         the prompt, token by token through the stop checks."""
-        assert result.confidences is not None or not step.samples
+        if not step.samples:
+            return []
+        assert result.confidences is not None
         size, events = spec.block_size, []
         tokens, conf = result.next_token_ids, result.confidences
         max_steps = self.cfg.dllm_max_steps_per_block or size
@@ -506,6 +509,7 @@ class Scheduler:
         self._admissions.clear()
         self.pending_updates.clear()
         self._released.clear()
+        self._after_slice = split_layers is not None
         samples = []
         for req, sampled in zip(reqs, batch.sample_mask.tolist()):
             if sampled:

@@ -233,3 +233,29 @@ def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: 
     assert mixed_workload(llm, SHORT, LONG) == want
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
     assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0 and llm.runner.split.held_slots == ()
+
+
+def test_two_splits_in_a_row_keep_a_decode_step_between_slices() -> None:
+    """Two long prompts arriving together while a request decodes: every slice, the last of the first split
+    and the first of the second included, follows a decode step."""
+    from modeserve.engine.config import SchedulerConfig
+    from modeserve.engine.forward_batch import ForwardResult
+    from modeserve.engine.scheduler.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(**SPLIT), num_pages=256, page_size=4, max_context=256, vocab_size=384,
+                  eos_token_ids=(2,), num_layers=NUM_LAYERS)
+
+    def run() -> ForwardMode:
+        step = s.schedule()
+        assert step is not None
+        s.process_result(step, ForwardResult(np.full(step.batch.num_samples, 7, dtype=np.int64)))
+        return step.batch.forward_mode
+
+    s.add_request(s.make_request("d", SHORT[0], SHORT_GREEDY))
+    run()
+    for i, p in enumerate(LONG[:2]):
+        s.add_request(s.make_request(f"long{i}", p, GREEDY))
+    modes = [run() for _ in range(20)]
+    splits = [i for i, m in enumerate(modes) if m == ForwardMode.SPLIT_PREFILL]
+    assert len(splits) == 2 * NUM_LAYERS
+    assert all(modes[i - 1] != ForwardMode.SPLIT_PREFILL for i in splits if i)

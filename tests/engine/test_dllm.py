@@ -1,0 +1,151 @@
+"""Block diffusion (DLLM_EXTEND, SDAR-shaped models) on CPU: outputs token for token those of a plain
+reference written here (the transformers Qwen3 model, full forwards over prefix + block under the
+block-diffusion mask, no KV cache, and the LowConfidence rule), at block sizes 4 and 32, thresholds 0.95
+and 0.0, page sizes 1 and 16, with prefix-cache hits and with preemption; seeded sampling is
+batch-independent; stops end a request inside a block; the two model kinds refuse each other's modes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from modeserve.engine import LLM, SamplingParams
+from modeserve.engine.forward_batch import ForwardBatch
+from modeserve.engine.forward_mode import ForwardMode
+from tests.engine.tiny_models import COMMON, load_reference, make_tiny_model, mixed_prompts
+
+MASK = COMMON["vocab_size"] - 1
+PROMPTS = [[t for t in p if t != MASK] for p in mixed_prompts(8, COMMON["vocab_size"], seed=3, max_len=40)]
+BASE: dict[str, Any] = dict(kv_cache_tokens=4096, attention_backend="torch")
+
+
+def make_sdar(folder: Path, block_size: int | None, mask: int | None = MASK) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Qwen3 model saved as an SDAR checkpoint (``block_size`` / ``mask_token_id`` in its
+    config.json unless None), and the transformers Qwen3 model of the same weights."""
+    make_tiny_model("qwen3", folder, head_dim=32)
+    ref = load_reference(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["SDARForCausalLM"], model_type="sdar")
+    cfg.update({k: v for k, v in (("block_size", block_size), ("mask_token_id", mask)) if v is not None})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, ref
+
+
+@torch.no_grad()
+def reference(model: torch.nn.Module, prompt: list[int], block: int, new: int, threshold: float) -> list[int]:
+    """SDAR's generation, plainly: blocks at multiples of ``block`` from position 0, the prompt's last
+    partial block filled with masks; each step a full forward over everything before the block and the
+    block (a query sees keys up to the end of its own block), logits read at the masked positions
+    themselves, the mask token excluded; unmask every position whose greedy token has probability >= ``threshold``, at least the
+    most confident one (lowest position among equals)."""
+    ids = list(prompt)
+    while len(ids) - len(prompt) < new:
+        start = len(ids) // block * block
+        cur = ids[start:] + [MASK] * (block - (len(ids) - start))
+        while MASK in cur:
+            x = torch.tensor([ids[:start] + cur])
+            pos = torch.arange(x.shape[1])
+            allowed = pos[None, :] < (pos[:, None] // block + 1) * block
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+            logits = model(x, attention_mask=mask).logits[0, start:].float()
+            logits[:, MASK] = float("-inf")  # never the mask token itself
+            conf, tok = torch.softmax(logits, -1).max(-1)
+            masked = [i for i in range(block) if cur[i] == MASK]
+            take = [i for i in masked if conf[i] >= threshold] or sorted(masked, key=lambda i: (-float(conf[i]), i))[:1]
+            for i in take:
+                cur[i] = int(tok[i])
+        ids = ids[:start] + cur
+    return ids[len(prompt) : len(prompt) + new]
+
+
+@pytest.fixture(scope="module", params=[4, 32])
+def sdar(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, int]:
+    folder, ref = make_sdar(tmp_path_factory.mktemp(f"sdar{request.param}"), request.param)
+    return folder, ref, request.param
+
+
+def greedy(new: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("threshold", [0.95, 0.0])
+def test_greedy_equals_the_reference(sdar: tuple[Path, torch.nn.Module, int], threshold: float, page_size: int) -> None:
+    folder, ref, block = sdar
+    new = 12 if block == 4 else 40  # three blocks of 4; two of 32 for most prompts
+    llm = LLM(model=str(folder), page_size=page_size, dllm_threshold=threshold, **BASE)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(new))]
+    assert got == [reference(ref, p, block, new, threshold) for p in PROMPTS]
+    stats = llm.stats()
+    assert set(stats["mode_distribution"]) == {"DLLM_EXTEND"}
+    unmasked = stats["dllm_unmasked_per_step"]
+    if threshold == 0.0:  # every block in one step
+        assert max(unmasked) == block
+    else:  # random weights are never that sure: one token a step
+        assert set(unmasked) == {1}
+
+
+def test_prefix_hits_and_preemption(tmp_path: Path) -> None:
+    folder, ref = make_sdar(tmp_path / "sdar", 4)
+    shared = list(range(3, 35))  # 32 tokens: whole blocks and pages
+    prompts = [shared + p[:6] for p in PROMPTS]
+    want = [reference(ref, p, 4, 12, 0.95) for p in prompts]
+    cached = LLM(model=str(folder), page_size=4, **BASE)
+    for _ in range(2):
+        assert [o.token_ids for o in cached.generate(prompt_token_ids=prompts, sampling_params=greedy(12))] == want
+    assert cached.stats()["num_prefix_hit_tokens"] >= 32 * len(prompts)
+    small = LLM(model=str(folder), page_size=4, kv_cache_tokens=4 * 40, attention_backend="torch")
+    assert [o.token_ids for o in small.generate(prompt_token_ids=prompts, sampling_params=greedy(12))] == want
+    assert small.stats()["num_retractions"] > 0
+    kv = small.scheduler.kv
+    assert kv.pool.num_free_pages + (kv.cache.num_cached_pages if kv.cache else 0) == kv.pool.num_total_pages
+
+
+def test_seeded_sampling_is_batch_independent(tmp_path: Path) -> None:
+    folder, _ = make_sdar(tmp_path / "sdar", 4)
+    llm = LLM(model=str(folder), page_size=4, dllm_threshold=0.5, **BASE)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_new_tokens=12, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    together = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].token_ids for p, sp in zip(PROMPTS, params)]
+    assert together == alone
+    assert together != [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12))]
+
+
+def test_a_stop_inside_a_block_ends_the_request_at_it(tmp_path: Path) -> None:
+    folder, ref = make_sdar(tmp_path / "sdar", 4)
+    want = reference(ref, PROMPTS[0], 4, 12, 0.95)
+    stop = want[5]  # inside the second block
+    llm = LLM(model=str(folder), page_size=4, **BASE)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy(12, stop_token_ids=[stop]))[0]
+    assert out.token_ids == want[: want.index(stop) + 1] and out.finish_reason == "stop"
+    cut = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy(6))[0]  # max_new_tokens mid-block
+    assert cut.token_ids == want[:6] and cut.finish_reason == "length"
+    kv = llm.scheduler.kv
+    assert kv.pool.num_free_pages + (kv.cache.num_cached_pages if kv.cache else 0) == kv.pool.num_total_pages
+
+
+def test_the_model_kinds_refuse_each_others_modes(tmp_path: Path) -> None:
+    folder, _ = make_sdar(tmp_path / "sdar", 4)
+    dllm = LLM(model=str(folder), page_size=4, **BASE)
+    one = np.array([0])
+    batch = ForwardBatch(ForwardMode.EXTEND, one, one, np.array([1]), np.array([True]), np.array([5]), one, np.array([4]))
+    with pytest.raises(ValueError, match="DLLM_EXTEND steps only"):
+        dllm.runner.compute_logits(batch)
+    with pytest.raises(ValueError, match="logprobs"):
+        dllm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(logprobs=2))
+    plain = LLM(model=str(make_tiny_model("qwen3", tmp_path / "qwen3")), page_size=4, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match="autoregressive"):
+        plain.runner.compute_logits(dataclasses.replace(batch, forward_mode=ForwardMode.DLLM_EXTEND))
+    with pytest.raises(ValueError, match="autoregressive"):
+        LLM(model=str(tmp_path / "qwen3"), dllm_block_size=4)
+    bare, _ = make_sdar(tmp_path / "bare", None)
+    with pytest.raises(ValueError, match="no block_size"):
+        LLM(model=str(bare), **BASE)
+    assert LLM(model=str(bare), dllm_block_size=8, **BASE).runner.dllm == (8, MASK)
