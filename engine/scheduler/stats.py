@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable
 
 from ..forward_mode import ForwardMode
 
@@ -45,11 +45,12 @@ class ForwardModeStats:
 
     def acceptance_histogram(self, max_length: int) -> tuple[list[tuple[float, int]], int]:
         """(cumulative (upper bound, count) pairs for lengths 1 .. ``max_length`` and +inf, sum of lengths)."""
-        cumulative, total = [], 0
-        for bound in [*range(1, max_length + 1), float("inf")]:
-            total = sum(n for length, n in self.spec_acceptance_lengths.items() if length <= bound)
-            cumulative.append((float(bound), total))
-        return cumulative, sum(length * n for length, n in self.spec_acceptance_lengths.items())
+        return _cumulative(self.spec_acceptance_lengths, range(1, max_length + 1))
+
+    def dllm_unmasked_histogram(self) -> tuple[list[tuple[float, int]], int]:
+        """(cumulative (upper bound, count) pairs at 0, 1, 2, 4 .. 256 and +inf, sum) of the tokens a
+        DLLM_EXTEND step unmasked in a request's block."""
+        return _cumulative(self.dllm_unmasked, [0, *(2**i for i in range(9))])
 
     def record(self, mode: ForwardMode, batch_size: int, num_tokens: int, seconds: float = 0.0) -> None:
         self.mode_counts[mode.name] += 1
@@ -92,3 +93,10 @@ class ForwardModeStats:
                             "verify_steps": self.spec_verify_steps, "chained_rows": self.spec_chained_rows},
             "dllm_unmasked_per_step": dict(sorted(self.dllm_unmasked.items())),
         }
+
+
+def _cumulative(counts: dict[int, int], bounds: Iterable[int]) -> tuple[list[tuple[float, int]], int]:
+    """Prometheus-style cumulative buckets of ``counts`` (value -> occurrences) at ``bounds`` and +inf, and
+    the sum of the values."""
+    out = [(float(b), sum(n for v, n in counts.items() if v <= b)) for b in [*bounds, float("inf")]]
+    return out, sum(v * n for v, n in counts.items())

@@ -26,7 +26,7 @@ from modeserve.proto.v1 import forward_pb2 as modeserve_dot_proto_dot_v1_dot_for
 from modeserve.proto.v1 import generate_pb2 as modeserve_dot_proto_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmodeserve/proto/v1/engine.proto\x12\x0cmodeserve.v1\x1a modeserve/proto/v1/forward.proto\x1a!modeserve/proto/v1/generate.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xec\x02\n\x11\x45ngineDescription\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0cnum_kv_slots\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1c\n\x14max_running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x16\x63uda_graph_batch_sizes\x18\t \x03(\x05\x12\x0f\n\x07\x64p_rank\x18\n \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12*\n\nmode_stats\x18\x0e \x03(\x0b\x32\x16.modeserve.v1.ModeStat\x12\x12\n\nnum_layers\x18\x0f \x01(\x05\"\x0e\n\x0c\x44rainRequest\"8\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\x05\x32\xde\x01\n\x06\x45ngine\x12\x46\n\x07\x46orward\x12\x1a.modeserve.v1.ForwardBatch\x1a\x1b.modeserve.v1.ForwardResult(\x01\x30\x01\x12J\n\x08\x44\x65scribe\x12\x1d.modeserve.v1.DescribeRequest\x1a\x1f.modeserve.v1.EngineDescription\x12@\n\x05\x44rain\x12\x1a.modeserve.v1.DrainRequest\x1a\x1b.modeserve.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fmodeserve/proto/v1/engine.proto\x12\x0cmodeserve.v1\x1a modeserve/proto/v1/forward.proto\x1a!modeserve/proto/v1/generate.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xa1\x03\n\x11\x45ngineDescription\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0cnum_kv_slots\x18\x03 \x01(\x03\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x1c\n\x14max_running_requests\x18\x05 \x01(\x05\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x1e\n\x16\x63uda_graph_batch_sizes\x18\t \x03(\x05\x12\x0f\n\x07\x64p_rank\x18\n \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12*\n\nmode_stats\x18\x0e \x03(\x0b\x32\x16.modeserve.v1.ModeStat\x12\x12\n\nnum_layers\x18\x0f \x01(\x05\x12\x17\n\x0f\x64llm_block_size\x18\x10 \x01(\x05\x12\x1a\n\x12\x64llm_mask_token_id\x18\x11 \x01(\x05\"\x0e\n\x0c\x44rainRequest\"8\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x16\n\x0e\x61\x63tive_streams\x18\x02 \x01(\x05\x32\xde\x01\n\x06\x45ngine\x12\x46\n\x07\x46orward\x12\x1a.modeserve.v1.ForwardBatch\x1a\x1b.modeserve.v1.ForwardResult(\x01\x30\x01\x12J\n\x08\x44\x65scribe\x12\x1d.modeserve.v1.DescribeRequest\x1a\x1f.modeserve.v1.EngineDescription\x12@\n\x05\x44rain\x12\x1a.modeserve.v1.DrainRequest\x1a\x1b.modeserve.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=118
   _globals['_DESCRIBEREQUEST']._serialized_end=135
   _globals['_ENGINEDESCRIPTION']._serialized_start=138
-  _globals['_ENGINEDESCRIPTION']._serialized_end=502
-  _globals['_DRAINREQUEST']._serialized_start=504
-  _globals['_DRAINREQUEST']._serialized_end=518
-  _globals['_DRAINRESPONSE']._serialized_start=520
-  _globals['_DRAINRESPONSE']._serialized_end=576
-  _globals['_ENGINE']._serialized_start=579
-  _globals['_ENGINE']._serialized_end=801
+  _globals['_ENGINEDESCRIPTION']._serialized_end=555
+  _globals['_DRAINREQUEST']._serialized_start=557
+  _globals['_DRAINREQUEST']._serialized_end=571
+  _globals['_DRAINRESPONSE']._serialized_start=573
+  _globals['_DRAINRESPONSE']._serialized_end=629
+  _globals['_ENGINE']._serialized_start=632
+  _globals['_ENGINE']._serialized_end=854
 # @@protoc_insertion_point(module_scope)

@@ -13,7 +13,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineDescription(_message.Message):
-    __slots__ = ("model", "model_path", "num_kv_slots", "page_size", "max_running_requests", "max_context_len", "vocab_size", "eos_token_ids", "cuda_graph_batch_sizes", "dp_rank", "device", "dtype", "attention_backend", "mode_stats", "num_layers")
+    __slots__ = ("model", "model_path", "num_kv_slots", "page_size", "max_running_requests", "max_context_len", "vocab_size", "eos_token_ids", "cuda_graph_batch_sizes", "dp_rank", "device", "dtype", "attention_backend", "mode_stats", "num_layers", "dllm_block_size", "dllm_mask_token_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class EngineDescription(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     MODE_STATS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DLLM_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DLLM_MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     num_kv_slots: int
@@ -44,7 +46,9 @@ class EngineDescription(_message.Message):
     attention_backend: str
     mode_stats: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ModeStat]
     num_layers: int
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., mode_stats: _Optional[_Iterable[_Union[_generate_pb2.ModeStat, _Mapping]]] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    dllm_block_size: int
+    dllm_mask_token_id: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., num_kv_slots: _Optional[int] = ..., page_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cuda_graph_batch_sizes: _Optional[_Iterable[int]] = ..., dp_rank: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., mode_stats: _Optional[_Iterable[_Union[_generate_pb2.ModeStat, _Mapping]]] = ..., num_layers: _Optional[int] = ..., dllm_block_size: _Optional[int] = ..., dllm_mask_token_id: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

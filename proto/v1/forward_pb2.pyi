@@ -116,7 +116,7 @@ class ForwardBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., forward_mode: _Optional[_Union[ForwardMode, str]] = ..., req_pool_indices: _Optional[bytes] = ..., prefix_lens: _Optional[bytes] = ..., extend_lens: _Optional[bytes] = ..., sample_mask: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., out_cache_loc: _Optional[bytes] = ..., admissions: _Optional[_Iterable[_Union[ReqAdmission, _Mapping]]] = ..., slot_updates: _Optional[_Iterable[_Union[SlotUpdate, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., padded_batch_size: _Optional[int] = ..., split_layer_begin: _Optional[int] = ..., split_layer_end: _Optional[int] = ..., released_slots: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("step", "next_token_ids", "logprobs", "top_logprob_ids", "top_logprob_values", "top_n", "forward_seconds", "cuda_graph_bucket", "accepted_lengths")
+    __slots__ = ("step", "next_token_ids", "logprobs", "top_logprob_ids", "top_logprob_values", "top_n", "forward_seconds", "cuda_graph_bucket", "accepted_lengths", "confidences")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ForwardResult(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     step: int
     next_token_ids: bytes
     logprobs: bytes
@@ -135,4 +136,5 @@ class ForwardResult(_message.Message):
     forward_seconds: float
     cuda_graph_bucket: int
     accepted_lengths: bytes
-    def __init__(self, step: _Optional[int] = ..., next_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprob_values: _Optional[bytes] = ..., top_n: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., cuda_graph_bucket: _Optional[int] = ..., accepted_lengths: _Optional[bytes] = ...) -> None: ...
+    confidences: bytes
+    def __init__(self, step: _Optional[int] = ..., next_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprob_values: _Optional[bytes] = ..., top_n: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., cuda_graph_bucket: _Optional[int] = ..., accepted_lengths: _Optional[bytes] = ..., confidences: _Optional[bytes] = ...) -> None: ...

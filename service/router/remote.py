@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ...engine.config import SchedulerConfig
+from ...engine.models.dllm_spec import DllmSpec
 from ...engine.request_limits import RequestLimits
 from ...engine.scheduler.scheduler import Scheduler
 from ...engine.tokenizer import Tokenizer, load_tokenizer
@@ -89,7 +90,8 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
                                                                                 d.max_running_requests))
         scheduler = Scheduler(sched_cfg, num_pages=d.num_kv_slots // d.page_size, page_size=d.page_size,
                               max_context=d.max_context_len, vocab_size=d.vocab_size,
-                              eos_token_ids=tuple(d.eos_token_ids), decode=decode, num_layers=d.num_layers)
+                              eos_token_ids=tuple(d.eos_token_ids), decode=decode, num_layers=d.num_layers,
+                              dllm_spec=DllmSpec(d.dllm_block_size, d.dllm_mask_token_id) if d.dllm_block_size else None)
         policy: StepPolicy = (Lockstep(group, addr, list(d.cuda_graph_batch_sizes)) if group is not None
                               else FreeRunning(OVERLAP_DEPTH if cfg.overlap else 1))
         executor = GrpcExecutor(channel)

@@ -274,6 +274,8 @@ def result_to_proto(r: ForwardResult, step: int) -> forward_pb2.ForwardResult:
         m.cuda_graph_bucket = r.cuda_graph_bucket
     if r.accepted_lengths is not None:
         m.accepted_lengths = _pack(r.accepted_lengths, _I64)
+    if r.confidences is not None:
+        m.confidences = _pack(r.confidences, _F32)
     if r.logprobs is not None:
         m.logprobs = _pack(r.logprobs, _F32)
         if r.top_logprob_ids is not None and r.top_logprob_values is not None:
@@ -290,6 +292,12 @@ def result_from_proto(m: forward_pb2.ForwardResult) -> ForwardResult:
         accepted_lengths=_unpack(m.accepted_lengths, _I64, "accepted_lengths") if m.accepted_lengths else None,
         cuda_graph_bucket=m.cuda_graph_bucket if m.HasField("cuda_graph_bucket") else None,
         forward_seconds=m.forward_seconds)
+    if m.confidences:
+        confidences = _unpack(m.confidences, _F32, "confidences")
+        if confidences.shape != out.next_token_ids.shape:
+            raise ValueError(f"confidences has {confidences.shape[0]} entries but next_token_ids has "
+                             f"{out.next_token_ids.shape[0]}")
+        out = replace(out, confidences=confidences)
     if not m.logprobs:
         return out
     num_samples = out.next_token_ids.shape[0]

@@ -57,6 +57,8 @@ def describe_runner(runner: ModelRunner, model_path: str | None = None,
         dtype=runner.cfg.torch_dtype_name,
         attention_backend=runner.attention_backend_name,
         num_layers=runner.model_config.num_layers,
+        dllm_block_size=runner.dllm.block_size if runner.dllm is not None else 0,
+        dllm_mask_token_id=runner.dllm.mask_token_id if runner.dllm is not None else 0,
     )
 
 

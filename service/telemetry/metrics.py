@@ -55,6 +55,8 @@ class StepCollector(Collector):
                                    labels=["dp_rank"])
         lengths = HistogramMetricFamily("modeserve_spec_acceptance_length", "Tokens a TARGET_VERIFY step emitted "
                                         "for one request (kept drafts + 1)", labels=["dp_rank"])
+        unmasked = HistogramMetricFamily("modeserve_dllm_unmasked_tokens", "Tokens a DLLM_EXTEND step committed "
+                                         "(unmasked) in one request's block", labels=["dp_rank"])
         queue = GaugeMetricFamily("modeserve_queue_requests", "Requests waiting for admission", labels=["dp_rank"])
         running = GaugeMetricFamily("modeserve_running_requests", "Requests running", labels=["dp_rank"])
         kv = GaugeMetricFamily("modeserve_kv_cache_usage_ratio", "KV cache pages in use by running requests",
@@ -72,6 +74,9 @@ class StepCollector(Collector):
                 kept.add_metric([s.rank], st.spec_accepted_tokens)
                 buckets, total = st.acceptance_histogram(ACCEPTANCE_LENGTH_MAX)
                 lengths.add_metric([s.rank], [(_le(b), c) for b, c in buckets], total)
+            if st.dllm_unmasked:
+                buckets, total = st.dllm_unmasked_histogram()
+                unmasked.add_metric([s.rank], [(_le(b), c) for b, c in buckets], total)
             if s.graph_stats is not None:
                 for mode, n in s.graph_stats.get("hits", {}).items():
                     graphs.add_metric([mode, "true", s.rank], n)
@@ -81,7 +86,7 @@ class StepCollector(Collector):
                 queue.add_metric([s.rank], s.queued)
                 running.add_metric([s.rank], s.running)
                 kv.add_metric([s.rank], s.kv_usage)
-        yield from (steps, tokens, seconds, graphs, drafts, kept, lengths)
+        yield from (steps, tokens, seconds, graphs, drafts, kept, lengths, unmasked)
         if self._with_queue:
             yield from (queue, running, kv)
 

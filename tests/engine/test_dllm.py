@@ -149,3 +149,20 @@ def test_the_model_kinds_refuse_each_others_modes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no block_size"):
         LLM(model=str(bare), **BASE)
     assert LLM(model=str(bare), dllm_block_size=8, **BASE).runner.dllm == (8, MASK)
+
+
+def test_metrics_histogram_of_tokens_committed_per_step(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from modeserve.service.telemetry.metrics import RankSample, StepCollector
+
+    folder, _ = make_sdar(tmp_path / "sdar", 4)
+    llm = LLM(model=str(folder), page_size=4, dllm_threshold=0.0, **BASE)
+    llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(8))
+    registry = CollectorRegistry()
+    registry.register(StepCollector(lambda: [RankSample("0", llm.scheduler.stats)], with_queue=False))
+    text = generate_latest(registry).decode()
+    blocks = sum(llm.stats()["dllm_unmasked_per_step"].values())
+    assert f'modeserve_dllm_unmasked_tokens_count{{dp_rank="0"}} {float(blocks)}' in text
+    assert f'modeserve_dllm_unmasked_tokens_bucket{{dp_rank="0",le="4.0"}} {float(blocks)}' in text  # <= a block
+    assert 'modeserve_forward_steps_total{dp_rank="0",mode="DLLM_EXTEND"}' in text

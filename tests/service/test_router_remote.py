@@ -125,3 +125,28 @@ def test_split_prefill_streams_over_a_remote_engine_equal_llm_generate(engines: 
     finally:
         client.close()
         app.stop(grace=1)
+
+
+def test_block_diffusion_streams_over_a_remote_engine_equal_llm_generate(tmp_path: Path) -> None:
+    """An SDAR-shaped model behind a remote engine: the router's scheduler denoises each block (DLLM_EXTEND
+    over the wire, the chosen tokens' probabilities back in the ForwardResult) and streams it committed."""
+    from modeserve.engine import LLM, SamplingParams
+    from tests.engine.test_dllm import PROMPTS, make_sdar
+
+    folder, _ = make_sdar(tmp_path / "sdar", 4)
+    want = [o.token_ids for o in LLM(model=str(folder), page_size=4, attention_backend="torch").generate(
+        prompt_token_ids=PROMPTS, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))]
+    proc, addr = spawn("engine", "--model", str(folder), "--host", "127.0.0.1", "--port", "0", "--page-size", "4",
+                       "--kv-cache-tokens", "2048", "--attention-backend", "torch")
+    app = start_remote_router("127.0.0.1:0", [addr], None, RemoteRouterConfig(SchedulerConfig()))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        outs = generate_all(client, PROMPTS, 10)
+        assert [o.token_ids for o in outs] == want
+        assert set(app.loops[0].scheduler.stats.get_stats()["mode_distribution"]) == {"DLLM_EXTEND"}
+        assert all(o.num_messages <= 4 for o in outs)  # a message a committed block (and the end)
+    finally:
+        client.close()
+        app.stop(grace=1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
