@@ -80,9 +80,9 @@ class ModelRunner:
                                                              SchedulerConfig.speculative_ngram_max)),
                                      self.kernel_ops.chain_verify_rows)
         self._init_attention()
-        if dllm is not None and self.attention_backend_name != "torch":
-            raise ValueError(f"block-diffusion attention (DLLM_EXTEND) runs on the torch attention backend only so "
-                             f"far, not {self.attention_backend_name}: pass attention_backend='torch'")
+        if dllm is not None and self.attention_backend_name not in ("torch", "triton"):
+            raise ValueError(f"block-diffusion attention (DLLM_EXTEND) runs on the torch and triton attention "
+                             f"backends, not {self.attention_backend_name}: pass attention_backend='triton' or 'torch'")
         self._init_cuda_graphs(progress)
         self.draft = (DraftModel(draft, cfg, self.dtype, self.device, self.num_kv_slots, self.max_context,
                                  self.kernel_ops, self.slots.req_to_token, self._verify_graph_max_bs)

@@ -39,6 +39,7 @@ class _ExtendMeta:
     prefix_lens: torch.Tensor  # [B] int32 (device)
     extend_lens: torch.Tensor  # [B] int32 (device)
     max_extend_len: int
+    block: int = 0  # > 0: block-causal (DLLM_EXTEND)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -69,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
         queries = inputs.uniform_queries
-        if queries:
+        if queries and not inputs.block_size:
             self._reserve_counters(len(extend_lens))
             self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, queries)
             return
@@ -79,7 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
         host = torch.tensor([qo_start, inputs.prefix_lens_cpu, extend_lens], dtype=torch.int32)  # [3, B]
         dev = host.to(self._device, non_blocking=True)
         self._meta = _ExtendMeta(inputs.req_to_token, inputs.req_pool_indices, dev[0], dev[1], dev[2],
-                                 max(extend_lens))
+                                 max(extend_lens), inputs.block_size)
 
     def reads_lengths_on_device(self, inputs: AttentionInputs) -> bool:
         return inputs.uniform_queries > 0  # the decode kernel, eager or in graphs: seq_lens on the device
@@ -128,5 +129,5 @@ class TritonAttentionBackend(AttentionBackend):
         if isinstance(meta, _ExtendMeta):
             return extend_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.qo_start,
                                     meta.prefix_lens, meta.extend_lens, meta.max_extend_len, self.scale,
-                                    self.sliding_window)
+                                    self.sliding_window, meta.block)
         raise RuntimeError("init_forward_metadata (or init_replay) must run before forward")

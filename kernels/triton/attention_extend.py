@@ -4,7 +4,8 @@ Request b has ``prefix_lens[b]`` tokens already cached and ``extend_lens[b]`` ne
 are written into the cache before the kernel runs, so all ``seq_len = prefix + extend`` keys are
 read from the cache through ``req_to_token``. Queries are flat ([T, Hq, D]); request b's rows start
 at ``qo_start[b]``. The query at position ``prefix + i`` sees keys at positions ``<= prefix + i``
-and, with a sliding window W, ``> prefix + i - W``. A decode row of a MIXED batch is a request with
+and, with a sliding window W, ``> prefix + i - W``; block-causal (``block`` > 0, DLLM_EXTEND), it sees
+every key up to the end of its block of ``block`` positions (blocks at multiples of it). A decode row of a MIXED batch is a request with
 ``extend_len`` 1. One program per (BLOCK_M query rows, query head, request), online softmax in fp32.
 """
 
@@ -21,7 +22,7 @@ def _extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,  # q/out [T, Hq, D]; k/v cache [num_slots, Hkv, D]
     req_to_token_ptr, req_pool_ptr,  # [max_reqs, max_context] int64, [B]
     qo_start_ptr, prefix_lens_ptr, extend_lens_ptr,  # [B] int32 each (int64 read as int32 too)
-    scale_log2, window,  # window <= 0: none
+    scale_log2, window, block,  # window <= 0: none; block > 0: block-causal
     stride_table, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -47,6 +48,8 @@ def _extend_kernel(
 
     # keys [lo, hi): hi past the block's last query (causal), lo at its first query's window start
     hi = tl.minimum(prefix_len + (m_block + 1) * BLOCK_M, prefix_len + extend_len)
+    if block > 0:  # the last query's block may end past the tile
+        hi = tl.minimum((hi - 1) // block * block + block, prefix_len + extend_len)
     lo = 0
     if window > 0:
         lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
@@ -65,7 +68,10 @@ def _extend_kernel(
         v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if block > 0:
+            visible = mask_n[None, :] & (offs_n[None, :] < (q_pos[:, None] // block + 1) * block)
+        else:
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if window > 0:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -86,10 +92,10 @@ def _extend_kernel(
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, qo_start: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, max_extend_len: int, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, block: int = 0) -> torch.Tensor:
     """q: [T, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64,
     req_pool_indices: [B], qo_start/prefix_lens/extend_lens: [B] int32 (device),
-    max_extend_len: max(extend_lens) (host) -> out [T, Hq, D] in q's dtype."""
+    max_extend_len: max(extend_lens) (host); block > 0: block-causal -> out [T, Hq, D] in q's dtype."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
@@ -105,7 +111,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_extend_len, block_m), num_heads, batch)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_pool_indices, qo_start, prefix_lens, extend_lens,
-        scale * LOG2E, sliding_window or 0,
+        scale * LOG2E, sliding_window or 0, block,
         req_to_token.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
