@@ -178,3 +178,13 @@ def test_metrics_histogram_of_tokens_committed_per_step(tmp_path: Path) -> None:
     assert f'modeserve_dllm_unmasked_tokens_count{{dp_rank="0"}} {float(blocks)}' in text
     assert f'modeserve_dllm_unmasked_tokens_bucket{{dp_rank="0",le="4.0"}} {float(blocks)}' in text  # <= a block
     assert 'modeserve_forward_steps_total{dp_rank="0",mode="DLLM_EXTEND"}' in text
+
+
+@pytest.mark.gpu
+def test_fp32_cuda_equals_the_reference(tmp_path: Path) -> None:
+    """On a GPU in fp32 (the Triton extend kernel, block-causal): the reference's tokens."""
+    folder, ref = make_sdar(tmp_path / "sdar", 4)
+    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
+              attention_backend="triton")
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12))]
+    assert got == [reference(ref, p, 4, 12, 0.95) for p in PROMPTS]
