@@ -44,7 +44,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
                    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                    "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-1.7b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                   "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645},
 }
+
+# block-diffusion (SDAR) shapes: (the Qwen3 preset of their weights, block_size, mask_token_id); apart from
+# PRESETS because transformers has no "sdar" config to check them against
+SDAR_PRESETS: dict[str, tuple[str, int, int]] = {"sdar-1.7b": ("qwen3-1.7b", 4, 151669)}
+
+
+def sdar_config(shape: str | dict[str, Any], block_size: int, mask_token_id: int) -> dict[str, Any]:
+    """The SDAR checkpoint config of ``shape``'s dimensions: SDAR keeps Qwen3's weight layout, so only the
+    architecture and the block (``block_size``, ``mask_token_id``) differ."""
+    return {**preset_config(shape), "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+            "block_size": block_size, "mask_token_id": mask_token_id}
 
 
 def random_state_dict(config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -81,8 +97,10 @@ def preset_config(shape: str | dict[str, Any]) -> dict[str, Any]:
     """The config dict of a preset name, or ``shape`` itself when it is already a config."""
     if isinstance(shape, dict):
         return shape
+    if shape in SDAR_PRESETS:
+        return sdar_config(*SDAR_PRESETS[shape])
     if shape not in PRESETS:
-        raise ValueError(f"unknown model shape {shape!r}; presets: {sorted(PRESETS)}")
+        raise ValueError(f"unknown model shape {shape!r}; presets: {sorted([*PRESETS, *SDAR_PRESETS])}")
     return PRESETS[shape]
 
 
@@ -96,7 +114,7 @@ def write_config_only(folder: str | Path, shape: str | dict[str, Any]) -> Path:
 
 def write_random_checkpoint(folder: str | Path, shape: str | dict[str, Any], seed: int = 0,
                             dtype: torch.dtype = torch.float32) -> Path:
-    """``shape``: a preset name (``tiny``, ``llama-3.2-1b``, ``llama-3.1-8b``, ``qwen3-0.6b``) or a config dict."""
+    """``shape``: a preset name (``tiny``, ``llama-3.2-1b``, ``qwen3-1.7b``, ``sdar-1.7b``, ...) or a config dict."""
     out = write_config_only(folder, shape)
     save_file(random_state_dict(preset_config(shape), seed, dtype), str(out / "model.safetensors"))
     return out

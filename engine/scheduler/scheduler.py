@@ -113,7 +113,8 @@ class Scheduler:
         self._after_slice = False  # the last step built was a slice (a split starting now waits a decode step)
         self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
         self.dllm = dllm_spec
-        self._dllm_in_flight: set[Req] = set()  # a block's next step needs this one's result
+        # the block each request's step in flight denoises (its next step needs this one's result)
+        self._dllm_in_flight: dict[Req, dllm.Block] = {}
         if dllm_spec is not None and (cfg.speculative_algorithm or cfg.enable_split_prefill or cfg.enable_mixed):
             raise ValueError("a block-diffusion model runs DLLM_EXTEND steps only: speculative decoding, split "
                              "prefill and MIXED steps are for autoregressive models")
@@ -320,7 +321,7 @@ class Scheduler:
             if row.samples:
                 ids.extend(block.tokens.tolist())
                 samples.append(_Sample(req, len(req.output_ids), False))
-                self._dllm_in_flight.add(req)
+                self._dllm_in_flight[req] = block
             items.append(_Item(req, req.kv_final, row.before + (spec.block_size if row.samples else 0)))
             req.kv_final += row.before
         arrays = self._extend_arrays(items)
@@ -350,9 +351,9 @@ class Scheduler:
         max_steps = self.cfg.dllm_max_steps_per_block or size
         for i, sample in enumerate(step.samples):
             req = sample.req
-            self._dllm_in_flight.discard(req)
-            if req.finished or req.status != ReqStatus.RUNNING or req.block is None:
-                continue  # aborted or preempted while the step ran
+            sent = self._dllm_in_flight.pop(req, None)
+            if req.finished or req.status != ReqStatus.RUNNING or req.block is None or sent is not req.block:
+                continue  # aborted or preempted (maybe readmitted: a new block) while the step ran
             block = req.block
             masked = int((block.tokens == spec.mask_token_id).sum())
             dllm.low_confidence(block, spec.mask_token_id, tokens[i * size : (i + 1) * size],
@@ -459,7 +460,7 @@ class Scheduler:
         if self.dllm is not None:  # only final KV is cached: not the current block's, nor the last committed one's
             self.kv.truncate(req, req.kv_final)
             req.block, req.kv_final = None, 0
-            self._dllm_in_flight.discard(req)
+            self._dllm_in_flight.pop(req, None)
         self.kv.release(req)
         self.running.remove(req)
         self.free_slots.append(req.req_pool_idx)

@@ -18,7 +18,8 @@ def add_runner_flags(p: argparse.ArgumentParser, shape: str | None = "llama-3.2-
     """The flags ``model_folder`` and ``engine_kwargs`` read: the model (``shape`` None: the embedded
     default model unless ``--shape`` or ``--model`` is given) and how its steps run."""
     p.add_argument("--shape", default=shape,
-                   help="tiny, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, or the path of a config.json")
+                   help="tiny, small, llama-3.2-1b, llama-3.1-8b, qwen3-0.6b, qwen3-1.7b, sdar-1.7b, or the path "
+                        "of a config.json")
     p.add_argument("--model", default=None, help="a checkpoint instead of random weights of --shape")
     p.add_argument("--device", default=device)
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
