@@ -351,10 +351,9 @@ class Scheduler:
         max_steps = self.cfg.dllm_max_steps_per_block or size
         for i, sample in enumerate(step.samples):
             req = sample.req
-            sent = self._dllm_in_flight.pop(req, None)
-            if req.finished or req.status != ReqStatus.RUNNING or req.block is None or sent is not req.block:
+            sent, block = self._dllm_in_flight.pop(req, None), req.block
+            if req.finished or req.status != ReqStatus.RUNNING or block is None or sent is not block:
                 continue  # aborted or preempted (maybe readmitted: a new block) while the step ran
-            block = req.block
             masked = int((block.tokens == spec.mask_token_id).sum())
             dllm.low_confidence(block, spec.mask_token_id, tokens[i * size : (i + 1) * size],
                                 conf[i * size : (i + 1) * size], self.cfg.dllm_threshold, max_steps)
