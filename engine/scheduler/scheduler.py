@@ -351,8 +351,8 @@ class Scheduler:
         max_steps = self.cfg.dllm_max_steps_per_block or size
         for i, sample in enumerate(step.samples):
             req = sample.req
-            sent, block = self._dllm_in_flight.pop(req, None), req.block
-            if req.finished or req.status != ReqStatus.RUNNING or block is None or sent is not block:
+            block: dllm.Block | None = req.block
+            if self._dllm_in_flight.pop(req, None) is not block or block is None or req.status != ReqStatus.RUNNING:
                 continue  # aborted or preempted (maybe readmitted: a new block) while the step ran
             masked = int((block.tokens == spec.mask_token_id).sum())
             dllm.low_confidence(block, spec.mask_token_id, tokens[i * size : (i + 1) * size],
