@@ -17,7 +17,8 @@ def test_numbers_follow_sglang() -> None:
 def test_traits_table_covers_every_mode() -> None:
     assert set(MODE_TRAITS) == set(ForwardMode)
     assert [m.name for m in ForwardMode if m.traits.supported] == ["EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY",
-                                                                      "SPLIT_PREFILL"]
+                                                                      "DLLM_EXTEND", "SPLIT_PREFILL"]
+    assert not ForwardMode.DRAFT_EXTEND.traits.supported  # the draft model's sub-step, never a batch's mode
     assert ForwardMode.DECODE.traits.uses_cuda_graph and not ForwardMode.MIXED.traits.uses_cuda_graph
     assert ForwardMode.EXTEND.traits.is_extend and ForwardMode.MIXED.traits.is_extend
     assert not ForwardMode.IDLE.traits.samples
