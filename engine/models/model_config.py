@@ -46,9 +46,13 @@ class ModelConfig:
     name: str = ""
     # block diffusion (SDAR): blocks of ``dllm_block_size`` tokens denoised from ``dllm_mask_token_id``;
     # None where the checkpoint does not say (engine arguments fill in)
-    is_dllm: bool = False
     dllm_block_size: int | None = None
     dllm_mask_token_id: int | None = None
+
+    @property
+    def is_dllm(self) -> bool:
+        """A block-diffusion model (DLLM_EXTEND steps only)."""
+        return SUPPORTED_ARCHITECTURES[self.architecture] == "sdar"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -114,7 +118,6 @@ def parse_model_config(cfg: dict[str, Any], name: str = "") -> ModelConfig:
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         bos_token_id=cfg.get("bos_token_id"),
         name=name,
-        is_dllm=family == "sdar",
         dllm_block_size=int(cfg["block_size"]) if family == "sdar" and cfg.get("block_size") else None,
         dllm_mask_token_id=int(cfg["mask_token_id"]) if family == "sdar" and cfg.get("mask_token_id") is not None
         else None,

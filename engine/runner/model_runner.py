@@ -379,7 +379,7 @@ class ModelRunner:
         assert self.dllm is not None
         size = self.dllm.block_size
         slots = np.repeat(batch.req_pool_indices[batch.sample_mask], size)
-        positions = (batch.seq_lens[batch.sample_mask][:, None] - size + np.arange(size)).reshape(-1)
+        positions = batch.positions[self._dllm_block_index(batch)]
         logits = logits.float()
         logits[:, self.dllm.mask_token_id] = float("-inf")  # a position is never unmasked to the mask itself
         if self.slots.is_plain_greedy(slots):

@@ -59,9 +59,10 @@ class SplitPrefill:
 
     def run(self, model: LlamaForCausalLM, batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor,
             attn: AttentionBackend) -> torch.Tensor | None:
-        """This slice of ``batch`` (attention metadata set already): the final hidden states [T, hidden] after
-        the last layer, else None (the state kept for the next slice)."""
-        layers = self.check(batch)
+        """This slice of ``batch`` (``check``ed, attention metadata set already): the final hidden states
+        [T, hidden] after the last layer, else None (the state kept for the next slice)."""
+        layers = batch.split_layers
+        assert layers is not None
         if layers.begin == 0:  # one split prefill at a time: a new one replaces any left behind
             self._held = None
             x, residual = model.embed(input_ids)

@@ -207,10 +207,9 @@ class Scheduler:
             extends = self._take_prefill(chunk, keep_free_pages=len(decodes))
             if extends:
                 return self._build(extends, [])
-        if verifies and self.drafter is not None:
-            return self._build_verify(verifies)
-        if decodes:
-            return self._build([], self._reserve_decode(decodes))
+        step = self._decode_step(decodes, verifies)
+        if step is not None:
+            return step
         if any(not r.prefill_done for r in self.running):
             # Only partial prefills remain and none can grow: free memory by preempting the newest.
             self._retract(self.running[-1])
@@ -242,10 +241,11 @@ class Scheduler:
         assert split is not None
         if not self._slice_due and (decodes or verifies):
             self._slice_due = True
-            step = (self._build_verify(verifies) if verifies and self.drafter is not None
-                    else self._build([], self._reserve_decode(decodes)))
-            if step is not None or self._split is None:  # the decode step's KV may have preempted the split
-                return step if step is not None else self._schedule()
+            step = self._decode_step(decodes, verifies)
+            if step is not None:
+                return step
+            if self._split is None:  # the decode step's KV preempted the split
+                return self._schedule()
         self._slice_due = False
         per = max(1, self.cfg.split_prefill_token_budget // split.item.length) if decodes or verifies else self.num_layers
         layers = LayerRange(split.next_layer, min(split.next_layer + per, self.num_layers))
@@ -253,6 +253,12 @@ class Scheduler:
         if layers.end == self.num_layers:
             self._split = None
         return self._build([split.item], [], split_layers=layers)
+
+    def _decode_step(self, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
+        """The running requests' next token: a TARGET_VERIFY step with a drafter, else a DECODE step."""
+        if verifies and self.drafter is not None:
+            return self._build_verify(verifies)
+        return self._build([], self._reserve_decode(decodes)) if decodes else None
 
     # ---- block diffusion ------------------------------------------------------------------------
     def _schedule_dllm(self, spec: DllmSpec) -> ScheduledStep | None:
@@ -268,11 +274,11 @@ class Scheduler:
             if row is not None:
                 rows.append(row)
                 budget -= row.before
+        whole = math.lcm(spec.block_size, self.kv.page_size)  # cached KV is reused by whole blocks and pages
         while self.waiting and self.free_slots and budget >= spec.block_size:
             req = self.waiting[0]
-            whole = math.lcm(spec.block_size, self.kv.page_size)
             hit = self.kv.match_prefix(req) // whole * whole
-            self.kv.shorten_match(req, hit)  # cached KV is reused by whole blocks (a block's KV needs all of it)
+            self.kv.shorten_match(req, hit)  # a block's KV needs all of the block
             req.kv_final, req.block = hit, None
             row = self._dllm_row(req, spec, budget, preempt=False)
             if row is None:
@@ -324,8 +330,7 @@ class Scheduler:
                 self._dllm_in_flight[req] = block
             items.append(_Item(req, req.kv_final, row.before + (spec.block_size if row.samples else 0)))
             req.kv_final += row.before
-        arrays = self._extend_arrays(items)
-        arrays["input_ids"] = np.asarray(ids, dtype=np.int64)
+        arrays = self._extend_arrays(items, ids)
         arrays["sample_mask"] = np.array([row.samples for row in rows], dtype=bool)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DLLM_EXTEND,
@@ -546,13 +551,17 @@ class Scheduler:
         return step
 
     @staticmethod
-    def _extend_arrays(items: list[_Item]) -> dict[str, Any]:
+    def _extend_arrays(items: list[_Item], input_ids: list[int] | None = None) -> dict[str, Any]:
+        """The arrays of a step computing ``items``; their tokens' ids, or ``input_ids`` where given (a
+        DLLM_EXTEND step's blocks hold masks, not the request's tokens)."""
         ids: list[int] = []
         locs: list[int] = []
         for it in items:
             end = it.start + it.length
-            ids.extend(it.req.tokens(it.start, end))
+            if input_ids is None:
+                ids.extend(it.req.tokens(it.start, end))
             locs.extend(it.req.kv_locs[it.start : end])
+        ids = ids if input_ids is None else input_ids
         prefix = np.fromiter((it.start for it in items), dtype=np.int64, count=len(items))
         ext = np.fromiter((it.length for it in items), dtype=np.int64, count=len(items))
         return {"prefix_lens": prefix, "extend_lens": ext,
