@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ...proto.v1 import admin_pb2_grpc, generate_pb2_grpc
-from ..http.routes import create_app
-from ..http.server import HttpServer
 from ..rpc.grpc_server import EventLoopThread, GrpcServer, ServerOptions
 from ..rpc.grpc_server import wait_for_signal
 from ..rpc.tls import ReloadingServerCredentials, TlsFiles
@@ -25,6 +23,9 @@ from .generation import Generation
 from .rank_loop import RankLoop
 from .rank_table import RankTable
 from .request_validation import RequestParser
+
+if TYPE_CHECKING:  # FastAPI and uvicorn are imported only when the HTTP API is on
+    from ..http.server import HttpServer
 
 
 class HttpAddress(NamedTuple):
@@ -112,6 +113,9 @@ def start_router(address: str, events: EventLoopThread, table: RankTable, parser
                                    [ADMIN_SERVICE], credentials=admin_credentials,
                                    options=ServerOptions(reflection=options.reflection))
         if http is not None:
+            from ..http.routes import create_app
+            from ..http.server import HttpServer
+
             app.http = HttpServer(events, create_app(generation, api_key), http.host, http.port, tls)
     except BaseException:
         app.stop(0)

@@ -218,14 +218,12 @@ def test_preemption_in_the_middle_recomputes_the_prompt(tiny_llama_4: Path) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "flashinfer-triton"])
-def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path, backend: str) -> None:
-    """On a GPU, in fp32: the decode steps between the slices replay their CUDA graphs, and the outputs are
-    those of split prefill off and of transformers."""
-    for module in backend.split("-"):
-        pytest.importorskip(module)
+def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path) -> None:
+    """On a GPU, in fp32 (the Triton backend): the decode steps between the slices replay their CUDA graphs,
+    and the outputs are those of split prefill off and of transformers."""
+    pytest.importorskip("triton")
     kwargs: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
-                                  attention_backend=backend, max_running_requests=16)
+                                  attention_backend="triton", max_running_requests=16)
     ref = load_reference(tiny_llama_4)
     want = [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT] + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
     assert mixed_workload(LLM(model=str(tiny_llama_4), **kwargs), SHORT, LONG) == want
@@ -233,6 +231,33 @@ def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: 
     assert mixed_workload(llm, SHORT, LONG) == want
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
     assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0 and llm.runner.split.held_slots == ()
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_flashinfer_split_writes_the_kv_and_logits_of_one_extend(tmp_path: Path) -> None:
+    """The serving default on a GPU (bf16, FlashInfer extends): slices of layers write the KV of one EXTEND
+    and give its logits (the same kernels on the same rows), and a mixed workload with split prefill
+    replays the decode graphs between the slices and frees everything after."""
+    for module in ("flashinfer", "triton"):
+        pytest.importorskip(module)
+    folder = make_tiny_model("llama3", tmp_path / "m", num_hidden_layers=NUM_LAYERS, head_dim=64)  # FlashInfer: 64/128/256
+    kwargs: dict[str, Any] = dict(device="cuda", dtype="bfloat16", page_size=16, attention_backend="flashinfer-triton")
+    one, split = (LLM(model=str(folder), kv_cache_tokens=512, **kwargs).runner for _ in range(2))
+    prompt = LONG[1]
+    want = one.compute_logits(_extend_batch(prompt, ForwardMode.EXTEND, None, 0, True))
+    for i, layers in enumerate([LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]):
+        got = split.compute_logits(_extend_batch(prompt, ForwardMode.SPLIT_PREFILL, layers, 0, i == 0))
+    written = torch.arange(16, 16 + len(prompt), device="cuda")
+    for layer in range(NUM_LAYERS):
+        torch.testing.assert_close(split.kv_cache.k[layer][written], one.kv_cache.k[layer][written], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(split.kv_cache.v[layer][written], one.kv_cache.v[layer][written], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2 * float(want.abs().max()))
+    llm = LLM(model=str(folder), kv_cache_tokens=4096, max_running_requests=16, **SPLIT, **kwargs)
+    outputs = mixed_workload(llm, SHORT, LONG)
+    assert [len(o) for o in outputs] == [SHORT_TOKENS] * len(SHORT) + [NEW_TOKENS] * len(LONG)
+    assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
+    assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0
+    assert llm.runner.split.held_slots == () and _idle(llm)
 
 
 def test_two_splits_in_a_row_keep_a_decode_step_between_slices() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from modeserve.service.python_child import python_argv
 
 
 def modeserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -111,3 +112,13 @@ def test_bench_tracing_prints_overhead_json() -> None:
     assert dropped.returncode == 0, dropped.stderr
     d = json.loads(dropped.stdout.strip().splitlines()[-1])
     assert d["exporter"] == "none" and d["spans_received"] == d["spans_created"] > 16
+
+
+def test_the_command_builds_without_the_http_stack() -> None:
+    """The GPU machine has no FastAPI or uvicorn: ``modeserve bench`` (and a router without --http-port)
+    must not import them; a child where both imports fail still parses every sub-command."""
+    probe = ("import sys; sys.modules['fastapi'] = sys.modules['uvicorn'] = None\n"
+             "from modeserve.service.cli import build_parser\n"
+             "build_parser().parse_args(['bench', 'verify', '--shape', 'tiny']); print('ok')")
+    done = subprocess.run(python_argv("-c", probe), capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
