@@ -35,7 +35,7 @@ from ..models.loader import Checkpoint, load_model
 from .cuda_graph_runner import CudaGraphRunner
 from .host_io import upload
 from .slot_state import SlotState
-from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
+from ...kernels.attention.base import CATCH_UP_QUERIES, AttentionInputs, create_attention_backend, resolve_backend_name
 from ...kernels.attention.flashinfer_triton_backend import TRITON_DECODE_MAX_ROWS
 from ...kernels.attention.kv_cache import KVCache
 from ...kernels.op_set import KernelOps
@@ -61,7 +61,7 @@ class DraftModel:
         if graph_max_bs > 0 and self.attn.supports_cuda_graph:
             self.graphs = CudaGraphRunner(self.model, self.attn, graph_max_bs, device, slot_table)
             self.catch_up_graphs = CudaGraphRunner(self.model, self.attn, graph_max_bs, device, slot_table,
-                                                   mode=ForwardMode.DRAFT_EXTEND, tokens_per_row=2)
+                                                   mode=ForwardMode.DRAFT_EXTEND, tokens_per_row=CATCH_UP_QUERIES)
         self._planned: torch.cuda.Event | None = None
 
     def extend(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: AttentionInputs) -> None:
@@ -140,7 +140,7 @@ class DraftModel:
                 prefix: np.ndarray, req_pool_cpu: np.ndarray, slots: SlotState) -> AttentionInputs:
         """A sub-step's attention inputs: the catch-up's (DRAFT_EXTEND, two tokens a request after
         ``prefix``) or a proposal's (DECODE, one)."""
-        queries = 2 if mode == ForwardMode.DRAFT_EXTEND else 1
+        queries = CATCH_UP_QUERIES if mode == ForwardMode.DRAFT_EXTEND else 1
         return AttentionInputs(
             forward_mode=mode, req_pool_indices=req_pool, prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=[queries] * len(prefix), seq_lens=seq_lens, out_cache_loc=loc,

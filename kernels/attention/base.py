@@ -14,6 +14,9 @@ from ...engine.forward_mode import ForwardMode
 from ..registry import Registry
 from .kv_cache import KVCache
 
+# A draft model's catch-up (DRAFT_EXTEND) in a verify step: each request's last two tokens
+CATCH_UP_QUERIES = 2
+
 
 @dataclass(frozen=True)
 class AttentionInputs:
@@ -42,13 +45,16 @@ class AttentionInputs:
     @property
     def uniform_queries(self) -> int:
         """The query tokens every request brings, where a decode kernel can take the step: 1 for a
-        decode, k + 1 for a TARGET_VERIFY step in which each request has k drafts; 0 for other steps."""
+        decode, k + 1 for a TARGET_VERIFY step in which each request has k drafts, 2 for a draft's
+        catch-up (as its CUDA graphs run it, so that eager and replay use one kernel); 0 for other steps."""
         lens = self.extend_lens_cpu
         if self.one_token_per_row:
             return 1
-        if self.forward_mode == ForwardMode.TARGET_VERIFY and lens and all(e == lens[0] for e in lens):
+        if not lens or any(e != lens[0] for e in lens):
+            return 0
+        if self.forward_mode == ForwardMode.TARGET_VERIFY:
             return lens[0]
-        return 0
+        return CATCH_UP_QUERIES if self.forward_mode == ForwardMode.DRAFT_EXTEND and lens[0] == CATCH_UP_QUERIES else 0
 
     @property
     def seq_lens_cpu(self) -> list[int]:

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from modeserve.engine.forward_mode import ForwardMode
-from modeserve.kernels.attention.base import AttentionBackend, AttentionInputs, GraphInputs, create_attention_backend
+from modeserve.kernels.attention.base import (
+    CATCH_UP_QUERIES,
+    AttentionBackend,
+    AttentionInputs,
+    GraphInputs,
+    create_attention_backend,
+)
 from modeserve.kernels.attention.kv_cache import KVCache
 
 HQ, HKV, D = 8, 2, 64
@@ -224,5 +230,13 @@ def test_flashinfer_triton_routes_by_mode_and_batch_size() -> None:
             assert calls[-2:] == [(name, "capture", bs), (name, "replay", bs)]
     for ext, name in (([3, 3], "triton"), ([3, 2], "flashinfer")):  # eager verify steps: k drafts each, or not
         hybrid.init_forward_metadata(AttentionInputs(ForwardMode.TARGET_VERIFY, loc[:2], [5, 5], ext, loc[:2],
+                                                     loc[: sum(ext)], case["req_to_token"], torch.float32))
+        assert calls[-1] == (name, "plan", 2)
+    # a draft's catch-up (its last two tokens a request) takes the kernel its graphs capture it with,
+    # eager too; a DRAFT_EXTEND of other lengths (the draft's prefill beside an EXTEND) is an extend
+    hybrid.init_capture(2, GraphInputs(loc[:4], loc[:2], loc[:2], case["req_to_token"], CATCH_UP_QUERIES))
+    assert calls[-1] == ("triton", "capture", 2)
+    for ext, name in (([2, 2], "triton"), ([3, 3], "flashinfer"), ([2, 1], "flashinfer")):
+        hybrid.init_forward_metadata(AttentionInputs(ForwardMode.DRAFT_EXTEND, loc[:2], [5, 5], ext, loc[:2],
                                                      loc[: sum(ext)], case["req_to_token"], torch.float32))
         assert calls[-1] == (name, "plan", 2)
