@@ -6,8 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from .config import EngineConfig
 from .default_model import default_model_path
+from .distributed.group import TpGroup
+from .distributed.launch import TpWorkers
+from .distributed.shard import check_tensor_parallel
 from .models.dllm_spec import resolve_dllm
 from .models.loader import Checkpoint, open_checkpoint
 from .runner.model_runner import ModelRunner
@@ -21,11 +26,14 @@ class EngineParts(NamedTuple):
     tokenizer: Tokenizer | None
     runner: ModelRunner
     eos_token_ids: tuple[int, ...]  # the tokenizer's end-of-turn ids, then the config's
+    tp_workers: TpWorkers | None = None  # ranks 1.. of a tensor-parallel engine (this process is rank 0)
 
 
 def build_engine(model: str | Path | None, progress: Callable[[str], None] | None = None,
-                 **kwargs: Any) -> EngineParts:
-    """``model`` None means the embedded default model. ``ValueError`` on bad paths or arguments."""
+                 exit_on_tp_loss: bool = True, **kwargs: Any) -> EngineParts:
+    """``model`` None means the embedded default model. ``ValueError`` on bad paths or arguments.
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 and starts ranks 1 … N-1 (``exit_on_tp_loss``:
+    the death of one ends this process)."""
     path = Path(model) if model is not None else default_model_path()
     config = EngineConfig.from_kwargs(model=str(path), **kwargs)
     ckpt = open_checkpoint(path, config.runner.load_format)
@@ -35,12 +43,34 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
     if config.runner.speculative_draft_model is not None:
         draft = open_checkpoint(config.runner.speculative_draft_model, config.runner.load_format)
         check_draft(ckpt, tokenizer, draft, load_tokenizer(draft.path) if draft.path != ckpt.path else tokenizer)
+    size = config.runner.tensor_parallel_size
+    workers = None
+    if size > 1:
+        if ckpt.is_gguf:
+            raise ValueError("tensor parallelism loads Hugging Face safetensors folders, not GGUF files")
+        check_tensor_parallel(ckpt.config, size)
+        if draft is not None:
+            raise ValueError("speculative_algorithm 'draft' runs with tensor_parallel_size 1 (n-gram drafts do not)")
+        device = torch.device(config.runner.device, 0) if config.runner.device == "cuda" else torch.device("cpu")
+        workers = TpWorkers(str(path), kwargs, size, device, exit_on_tp_loss)
+    try:
+        runner = build_runner(config, ckpt, progress, workers.group if workers else None, draft)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)),
+                       workers)
+
+
+def build_runner(config: EngineConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
+                 tp: TpGroup | None = None, draft: Checkpoint | None = None) -> ModelRunner:
+    """The model runner of ``config`` (one rank's, given ``tp``): the recipe every rank follows."""
     sched = config.scheduler
     dllm = resolve_dllm(ckpt.config, config.runner.dllm_block_size, config.runner.dllm_mask_token_id)
-    runner = ModelRunner(config.runner, ckpt, progress, draft,
-                         sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0,
-                         (sched.speculative_ngram_min, sched.speculative_ngram_max), dllm)
-    return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)))
+    return ModelRunner(config.runner, ckpt, progress, draft,
+                       sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0,
+                       (sched.speculative_ngram_min, sched.speculative_ngram_max), dllm, tp)
 
 
 def check_draft(target: Checkpoint, tokenizer: Tokenizer | None, draft: Checkpoint, draft_tokenizer: Tokenizer | None) -> None:

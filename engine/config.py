@@ -36,6 +36,8 @@ class RunnerConfig:
     # has no block_size / mask_token_id (or to override them)
     dllm_block_size: int | None = None
     dllm_mask_token_id: int | None = None
+    # ranks (a process and a device each) one engine's model is split over; rank r uses cuda:r on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -52,6 +54,8 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.piecewise_cuda_graph_max_tokens < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -42,8 +43,10 @@ class LLM:
     def __init__(self, model: str | Path | None = None, progress: Callable[[str], None] | None = None,
                  overlap: bool = True, **kwargs: Any) -> None:
         self.overlap = overlap
-        parts = build_engine(model, progress, **kwargs)
+        parts = build_engine(model, progress, exit_on_tp_loss=False, **kwargs)
         self.config, self.model_config = parts.config, parts.checkpoint.config
+        self.tp_workers = parts.tp_workers  # a tensor-parallel engine's other ranks: they stop with it
+        self._close = weakref.finalize(self, parts.tp_workers.close) if parts.tp_workers is not None else None
         self.tokenizer: Tokenizer | None = parts.tokenizer
         self.runner = parts.runner
         self.scheduler = Scheduler(
@@ -121,6 +124,11 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do with one rank)."""
+        if self._close is not None:
+            self._close()
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         assert self.tokenizer is not None

@@ -3,6 +3,7 @@ allocate it once on the target device and stream the weights into it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -10,6 +11,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from safetensors import safe_open
 
+from ..distributed.shard import Slice, local_config, weight_slice
 from .gguf_loader import iter_gguf_tensors, read_gguf_checkpoint
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, parse_model_config
@@ -59,14 +61,25 @@ def open_checkpoint(path: str | Path, load_format: str = "auto") -> Checkpoint:
     return Checkpoint(p, config, False, len(files))
 
 
-def iter_weights(ckpt: Checkpoint, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(ckpt: Checkpoint, dtype: torch.dtype,
+                 part: Callable[[str], Slice | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor; with ``part``, only the slice of each that it names (read from the file
+    alone: a tensor-parallel rank reads its shard)."""
     if ckpt.is_gguf:
+        if part is not None:
+            raise ValueError("tensor parallelism loads Hugging Face safetensors folders, not GGUF files")
         yield from iter_gguf_tensors(ckpt.path, dtype)
         return
     for file in _safetensors_files(ckpt.path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                where = part(name) if part is not None else None
+                if where is None:
+                    yield name, f.get_tensor(name).to(dtype)
+                    continue
+                cut = slice(where.start, where.start + where.length)
+                data = f.get_slice(name)
+                yield name, (data[cut] if where.dim == 0 else data[:, cut]).to(dtype)
 
 
 @torch.no_grad()
@@ -91,8 +104,16 @@ def load_model(
     max_positions: int,
     progress: Callable[[str], None] | None = None,
     kops: KernelOps = TORCH_OPS,
+    tensor_parallel: tuple[int, int] = (0, 1),
 ) -> LlamaForCausalLM:
-    """Build on ``meta``, allocate once on ``device`` (uninitialised), then copy each tensor in."""
+    """Build on ``meta``, allocate once on ``device`` (uninitialised), then copy each tensor in.
+    ``tensor_parallel`` (rank, size): that rank's share of the model, its slices of the weights."""
+    rank, size = tensor_parallel
+    part = None
+    if size > 1:
+        full = ckpt.config
+        ckpt = ckpt._replace(config=local_config(full, size))
+        part = functools.partial(weight_slice, cfg=full, rank=rank, size=size)
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, kops)
     model = model.to(dtype).to_empty(device=device)
@@ -100,7 +121,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iter_weights(ckpt, dtype):
+        for name, tensor in iter_weights(ckpt, dtype, part):
             if progress is not None:
                 progress(name)
             yield name, tensor

@@ -28,6 +28,8 @@ from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
 from .split_prefill import SplitPrefill
+from ..distributed.group import TpGroup
+from ..distributed.shard import local_config
 from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from ...kernels.attention.kv_cache import KVCache
 from ...kernels.op_set import kernel_ops
@@ -52,17 +54,22 @@ VERIFY_GRAPH_MAX_BS = 64  # TARGET_VERIFY (and draft DECODE) graphs: speculation
 class ModelRunner:
     def __init__(self, cfg: RunnerConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
                  draft: Checkpoint | None = None, verify_queries: int = 0,
-                 ngram: tuple[int, int] | None = None, dllm: DllmSpec | None = None) -> None:
+                 ngram: tuple[int, int] | None = None, dllm: DllmSpec | None = None,
+                 tp: TpGroup | None = None) -> None:
         """``draft``: the draft model of speculative decoding (``speculative_algorithm="draft"``).
         ``verify_queries``: k + 1 with speculative decoding (TARGET_VERIFY steps of k drafts a request
         replay graphs; other verify steps run eagerly), 0 without. ``ngram``: (min, max) suffix of the
         n-gram drafts of chained verify rows, made on the device (``chained_verify``); default: those
         of ``SchedulerConfig`` (a router's scheduler may speculate over an engine started without). ``dllm``:
-        a block-diffusion model's block (``models.dllm_spec.resolve_dllm``): it runs DLLM_EXTEND steps only."""
+        a block-diffusion model's block (``models.dllm_spec.resolve_dllm``): it runs DLLM_EXTEND steps only.
+        ``tp``: this process's rank of a tensor-parallel engine (its share of the heads and MLP); rank 0's
+        ``launch`` and ``compute_logits`` send each batch to the other ranks, which run it alike
+        (``distributed.worker``), and its sampled tokens to them."""
         self.cfg = cfg
+        self.tp = tp
         self.dllm = dllm
         self.verify_queries = verify_queries
-        self.model_config = ckpt.config
+        self.model_config = local_config(ckpt.config, tp.size) if tp is not None else ckpt.config
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.torch_dtype_name)
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
@@ -90,7 +97,11 @@ class ModelRunner:
 
     def _init_model(self, ckpt: Checkpoint, progress: Callable[[str], None] | None) -> None:
         self.kernel_ops = kernel_ops(self.cfg.kernel_backend, self.device)
-        self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops)
+        tp = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops, tp)
+        if self.tp is not None:
+            for layer in self.model.decoder_layers():  # row parallel: the ranks' partial sums added up
+                layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = self.tp.all_reduce
         self.gemv_report: dict[str, dict[str, float | bool]] = {}
         gemv = self.kernel_ops.gemv
         if gemv is not None and self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
@@ -167,6 +178,19 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``; logits [S, V] (the model's dtype) of the rows that sample."""
+        self._send("compute_logits", batch)
+        return self._compute_logits(batch)
+
+    def _send(self, method: str, batch: ForwardBatch) -> None:
+        """Rank 0 of a tensor-parallel engine: the other ranks run ``method`` on ``batch`` too."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send_step((method, batch))
+
+    def _agreed(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """The sampled tokens of rank 0 on every rank (the ranks' slot tables stay one)."""
+        return self.tp.broadcast(next_ids) if self.tp is not None else next_ids
+
+    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         batch.forward_mode.require_supported()
         self._check_model_kind(batch.forward_mode)
         self.split.release(batch.released_slots)
@@ -332,7 +356,8 @@ class ModelRunner:
         Nothing here waits for the device, so the next batch can be prepared (and launched) while
         this one runs; its placeholders resolve from ``last_token``, written in stream order.
         """
-        logits = self.compute_logits(batch)  # [S, V]
+        self._send("launch", batch)
+        logits = self._compute_logits(batch)  # [S, V]
         bucket = self._graph_bucket
         if logits.shape[0] == 0:
             empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
@@ -344,6 +369,9 @@ class ModelRunner:
         verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
         if self.slots.is_plain_greedy(slots):
             next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
+            if self.tp is not None:
+                next_ids = self._agreed(next_ids)
+                self.slots.last_token[slots_dev] = next_ids
             if verify:
                 return self._accept(batch, next_ids, [])
             return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
@@ -358,7 +386,7 @@ class ModelRunner:
             history = self.slots.token_ids[slots_dev, : int(seq_lens.max())]
             (prompt_lens,) = upload([self.slots.prompt_len[slots]], self.device)
             logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
-        next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
+        next_ids = self._agreed(sampler.sample(logits, st, self.kernel_ops.sample_sorted))
         self.slots.last_token[slots_dev] = next_ids
         if verify:
             return self._accept(batch, next_ids, list(sampler.compute_logprobs(raw, next_ids, st.max_top_n))

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import grpc
 
 from ...proto.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
-from ..python_child import python_argv
+from ...engine.python_child import python_argv
 from ..rpc.engine_process import read_address, stop_process
 from .servers import free_port, rss_mib
 

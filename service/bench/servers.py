@@ -10,7 +10,7 @@ import subprocess
 from typing import Any, Iterator
 
 from ...engine.config import SchedulerConfig
-from ..python_child import python_argv
+from ...engine.python_child import python_argv
 from ..rpc.engine_process import engine_flags, read_address, stop_process
 
 

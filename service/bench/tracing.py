@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..python_child import python_argv
+from ...engine.python_child import python_argv
 from ..rpc.grpc_server import freeze_startup_heap
 from .batch import model_folder
 from .decode_step import local_rank, measure_decode

@@ -70,5 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 runner.num_kv_slots, runner.device)
     wait_for_signal(args.grace_period)
     srv.stop(args.grace_period)
+    if parts.tp_workers is not None:  # after the last step: the other ranks of a tensor-parallel engine
+        parts.tp_workers.close()
     sys.stdout.flush()
     return 0

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable
 
 from ...engine.config import RunnerConfig, SchedulerConfig
-from ..python_child import python_argv
+from ...engine.python_child import python_argv
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import IO, Mapping
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from ..python_child import python_argv
+from ...engine.python_child import python_argv
 from .otel_env import export_environment, process_resource
 from .span_record import SdkSink, SpanRecord, from_wire, to_wire
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from modeserve.service.python_child import python_argv
+from modeserve.engine.python_child import python_argv
 
 
 def modeserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from modeserve.service.python_child import python_argv
+from modeserve.engine.python_child import python_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 

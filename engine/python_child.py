@@ -1,4 +1,4 @@
-"""The interpreter command line of every Python child process the service starts."""
+"""The interpreter command line of every Python child process the engine and the service start."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one engine over several devices, a process per device."""

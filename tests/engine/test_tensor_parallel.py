@@ -1,0 +1,150 @@
+"""Tensor parallelism on CPU over gloo, two ranks (this process and a worker it starts): greedy tokens
+equal one rank's and the transformers full-forward argmax loop on every tiny architecture (and on a
+GQA model with fewer KV heads than ranks, whose KV head is replicated), logits step by step within
+1e-4 of one rank's; page size 1, prefix-cache hits and preemption; each rank holds only its share of
+the weights; bad combinations are refused; a lost rank takes the engine out."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from modeserve.engine import LLM, SamplingParams
+from tests.engine.tiny_models import (
+    ARCHS,
+    COMMON,
+    load_reference,
+    make_tiny_model,
+    mixed_prompts,
+    reference_greedy,
+    teacher_forced_logits,
+)
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama3", tmp_path_factory.mktemp("tiny-tp"))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPTS = mixed_prompts(8, COMMON["vocab_size"], seed=30, max_len=40)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    **{name: (name, {}) for name in sorted(ARCHS)},
+    "llama3-one-kv-head": ("llama3", dict(num_key_value_heads=1)),  # fewer KV heads than ranks: replicated
+}
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_two_ranks_equal_one_and_transformers(tmp_path: Path, name: str) -> None:
+    arch, overrides = MODELS[name]
+    folder = make_tiny_model(arch, tmp_path / name, **overrides)
+    kw: dict[str, Any] = dict(page_size=16, kv_cache_tokens=2048)
+    one, two = LLM(model=str(folder), **kw), LLM(model=str(folder), tensor_parallel_size=2, **kw)
+    try:
+        ref = load_reference(folder)
+        want = [reference_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+        assert greedy(one, PROMPTS) == want
+        assert greedy(two, PROMPTS) == want
+        for llm in (two, one):  # the same requests again, stepped together: logits of every step
+            for p in PROMPTS[:4]:
+                llm.add_request(llm.make_request(p, GREEDY))
+        assert {"EXTEND", "DECODE"} <= teacher_forced_logits(two, one, rtol=1e-4)
+        # rank 0 holds half the heads and MLP columns; its KV cache half the KV heads (or the one, replicated)
+        mc, local = one.model_config, two.runner.model_config
+        assert (local.num_heads, local.intermediate_size) == (mc.num_heads // 2, mc.intermediate_size // 2)
+        assert local.num_kv_heads == max(mc.num_kv_heads // 2, 1) == two.runner.kv_cache.k[0].shape[1]
+        qkv = two.runner.model.layers[0].self_attn.qkv_proj.weight
+        assert qkv.shape[0] == (local.num_heads + 2 * local.num_kv_heads) * mc.head_dim
+    finally:
+        two.close()
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "page1": dict(page_size=1, kv_cache_tokens=2048),
+    "prefix_hits": dict(page_size=4, kv_cache_tokens=2048),
+    "preemption": dict(page_size=4, kv_cache_tokens=160, max_running_requests=8),  # too small for all at once
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_two_ranks_under_paging_prefix_hits_and_preemption(tiny_model: Path, variant: str) -> None:
+    prompts = PROMPTS
+    if variant == "prefix_hits":
+        prompts = [PROMPTS[0] + p for p in PROMPTS]  # a shared prefix of PROMPTS[0]'s tokens
+    two = LLM(model=str(tiny_model), tensor_parallel_size=2, **VARIANTS[variant])
+    try:
+        ref = load_reference(tiny_model)
+        want = [reference_greedy(ref, p, NEW_TOKENS) for p in prompts]
+        if variant == "prefix_hits":
+            assert greedy(two, prompts[:1]) == want[:1]  # cached, then hit by every later prompt
+            assert greedy(two, prompts[1:]) == want[1:]
+            assert two.stats()["num_prefix_hit_tokens"] >= len(PROMPTS[0]) // 4 * 4 * (len(prompts) - 1)
+        else:
+            assert greedy(two, prompts) == want
+        if variant == "preemption":
+            assert two.stats()["num_retractions"] > 0
+    finally:
+        two.close()
+
+
+def test_two_ranks_sample_one_stream(tiny_model: Path) -> None:
+    """Seeded sampling at two ranks (rank 0's draws given to the other) gives the streams of one rank."""
+    sp = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+          for s in range(len(PROMPTS))]
+    one = LLM(model=str(tiny_model), page_size=4, kv_cache_tokens=2048)
+    two = LLM(model=str(tiny_model), page_size=4, kv_cache_tokens=2048, tensor_parallel_size=2)
+    try:
+        want = [o.token_ids for o in one.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]
+        assert [o.token_ids for o in two.generate(prompt_token_ids=PROMPTS, sampling_params=sp)] == want
+    finally:
+        two.close()
+
+
+def test_bad_combinations_are_refused(tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        LLM(model=str(tiny_model), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(model=str(tiny_model), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="runs with tensor_parallel_size 1"):
+        LLM(model=str(tiny_model), tensor_parallel_size=2, speculative_algorithm="draft",
+            speculative_draft_model=str(tiny_model))
+    with pytest.raises(ValueError, match="not GGUF"):
+        LLM(model=None, tensor_parallel_size=2)  # the embedded default model is a GGUF file
+
+
+def test_a_lost_rank_fails_the_next_step(tiny_model: Path) -> None:
+    two = LLM(model=str(tiny_model), page_size=4, kv_cache_tokens=512, tensor_parallel_size=2)
+    assert greedy(two, PROMPTS[:2]) == greedy(LLM(model=str(tiny_model), page_size=4), PROMPTS[:2])
+    workers = two.tp_workers
+    assert workers is not None
+    os.kill(workers.procs[0].pid, signal.SIGKILL)
+    workers.procs[0].wait()
+    with pytest.raises(RuntimeError):
+        greedy(two, PROMPTS[:2])
+    two.close()  # nothing left to stop: no hang, no error
+
+
+def test_each_rank_reads_its_slice_of_a_tensor(tiny_model: Path) -> None:
+    from modeserve.engine.models.loader import iter_weights, open_checkpoint
+    from modeserve.engine.distributed.shard import weight_slice
+
+    ckpt = open_checkpoint(tiny_model)
+    full = dict(iter_weights(ckpt, torch.float32))
+    for rank in range(2):
+        part = dict(iter_weights(ckpt, torch.float32, lambda n: weight_slice(n, ckpt.config, rank, 2)))
+        q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+        half = full[q].shape[0] // 2
+        torch.testing.assert_close(part[q], full[q][rank * half:(rank + 1) * half], rtol=0, atol=0)
+        torch.testing.assert_close(part[o], full[o][:, rank * half:(rank + 1) * half], rtol=0, atol=0)
+        torch.testing.assert_close(part["model.norm.weight"], full["model.norm.weight"], rtol=0, atol=0)
