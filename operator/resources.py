@@ -99,6 +99,8 @@ def engine_args(spec: EngineSetSpec) -> list[str]:
     args = ["engine", "--model", model_path(spec), "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
             "--dp-rank", "$(DP_RANK)", "--grace-period", str(max(spec.termination_grace_period_seconds - 10, 1)),
             "--metrics-port", str(METRICS_PORT), *sec.tls_args(spec, sec.ENGINE_HEALTH_PORT)]
+    if spec.tensor_parallel_size > 1:  # the engine process is rank 0 and starts the others in the pod
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     for key, value in sorted(spec.engine.items()):
         flag = "--" + key.replace("_", "-")
         if value.lower() in ("true", "false"):

@@ -13,8 +13,8 @@ from typing import Any, Mapping
 from ..engine.config import RunnerConfig, SchedulerConfig
 
 # engine arguments an EngineSet may set: the engine CLI's flags (config fields), minus what the
-# operator owns itself (the model path, the port)
-_OWNED = {"model"}
+# operator owns itself (the model path; the ranks of a pod: spec.tensorParallelSize)
+_OWNED = {"model", "tensor_parallel_size"}
 ENGINE_ARGS = sorted(({f for f in RunnerConfig.__dataclass_fields__} | {f for f in SchedulerConfig.__dataclass_fields__})
                      - _OWNED)
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")
@@ -23,6 +23,28 @@ DISPATCH = ("prefix", "least-loaded", "round-robin")
 
 class InvalidSpec(ValueError):
     """The EngineSet's spec cannot be deployed; the message says why (all problems at once)."""
+
+
+GPU = "nvidia.com/gpu"
+
+
+def _tensor_parallel_problems(tp: int, model: Mapping[str, Any], engine: Mapping[str, str],
+                              requests: Mapping[str, str], limits: Mapping[str, str]) -> list[str]:
+    """What is wrong with the ranks of a pod: a size below 1, one that does not divide the model's heads
+    (where spec.model.attentionHeads gives them), GPUs that are not one a rank."""
+    if tp < 1:
+        return [f"spec.tensorParallelSize must be >= 1, got {tp}"]
+    problems = []
+    heads = model.get("attentionHeads")
+    if heads is not None and (not isinstance(heads, int) or heads < 1 or heads % tp):
+        problems.append(f"spec.tensorParallelSize {tp} must divide spec.model.attentionHeads ({heads!r})")
+    for where, values in (("limits", limits), ("requests", requests)):
+        if GPU in values and values[GPU] != str(tp):
+            problems.append(f"spec.resources.{where}.{GPU} {values[GPU]!r} must equal spec.tensorParallelSize "
+                            f"{tp} (a GPU a rank)")
+    if tp > 1 and engine.get("device") != "cuda" and (GPU in limits or GPU in requests):
+        problems.append(f"spec.resources ask for {GPU} but spec.engine.device is not cuda: the ranks would run on CPU")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -59,7 +81,7 @@ class EngineSetSpec:
 
     @property
     def gpus(self) -> int:
-        return int(self.limits.get("nvidia.com/gpu", self.requests.get("nvidia.com/gpu", "0")))
+        return int(self.limits.get(GPU, self.requests.get(GPU, "0")))
 
 
 def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
@@ -79,9 +101,9 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
     replicas = int(spec.get("replicas", 1))
     if replicas < 0:
         problems.append(f"spec.replicas must be >= 0, got {replicas}")
+    if "tensor_parallel_size" in engine:
+        problems.append("spec.engine.tensor_parallel_size: set spec.tensorParallelSize instead")
     tp = int(spec.get("tensorParallelSize", 1))
-    if tp != 1:
-        problems.append(f"spec.tensorParallelSize {tp}: this release runs one GPU per engine (1)")
     resources = spec.get("resources") or {}
     requests = {str(k): str(v) for k, v in (resources.get("requests") or {}).items()}
     limits = {str(k): str(v) for k, v in (resources.get("limits") or {}).items()}
@@ -89,6 +111,9 @@ def parse_spec(spec: Mapping[str, Any], default_image: str) -> EngineSetSpec:
         for k, v in values.items():
             if not _QUANTITY.match(v):
                 problems.append(f"spec.resources.{where}.{k}: {v!r} is not a quantity")
+    problems += _tensor_parallel_problems(tp, model, engine, requests, limits)
+    if tp >= 1 and engine.get("device") == "cuda" and GPU not in limits and GPU not in requests:
+        limits[GPU] = str(tp)  # a GPU a rank
     router = spec.get("router") or {}
     dispatch = str(router.get("dispatch", "prefix"))
     if dispatch not in DISPATCH:

@@ -141,6 +141,24 @@ def test_sample_engineset_serves_http_and_notes_show_a_first_curl(helm: Path) ->
     assert "port-forward svc/demo 8000:8000" in notes and "curl localhost:8000/v1/chat/completions" in notes
 
 
+def test_tensor_parallel_sample_renders_pods_with_a_gpu_a_rank(helm: Path) -> None:
+    """The real helm renders the sample EngineSet with tensorParallelSize 2; the operator turns it into
+    engine pods of 2 GPUs starting 2 ranks."""
+    from modeserve.operator import resources as res
+    from modeserve.operator.spec import parse_spec
+
+    objs = render(helm, "sampleEngineSet.enabled=true", "sampleEngineSet.tensorParallelSize=2",
+                  "sampleEngineSet.engine.device=cuda")
+    sample = next(o for o in objs if o["kind"] == "EngineSet")
+    check_engineset(sample)
+    assert sample["spec"]["tensorParallelSize"] == 2
+    spec = parse_spec(sample["spec"], default_image="img")
+    created = {**sample, "metadata": {**sample["metadata"], "uid": "uid-demo"}}  # as the API server stores it
+    (c,) = res.engine_statefulset(created, spec, 1)["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+
+
 def test_tls_and_api_key_values_flow_into_the_pods(helm: Path) -> None:
     """With TLS (a cert-manager Certificate) and an API key Secret: the Certificate names what its
     holders are reached by (the router Service, every engine pod, localhost for the drain hook) and is

@@ -83,6 +83,18 @@ async def test_invalid_spec_is_degraded_and_deploys_nothing(harness: Harness) ->
     assert harness.statefulset() is None and not harness.router.calls
 
 
+async def test_tensor_parallel_gpus_that_do_not_match_are_degraded(harness: Harness) -> None:
+    await harness.create(tensorParallelSize=2, engine={"device": "cuda"}, resources={"limits": {"nvidia.com/gpu": "1"}})
+    degraded = await eventually(lambda: harness.condition("Degraded").get("status") == "True"
+                                and harness.condition("Degraded"))
+    assert degraded["reason"] == "InvalidSpec" and "must equal spec.tensorParallelSize 2" in degraded["message"]
+    assert harness.statefulset() is None
+    await harness.patch(f"{ES_PATH}/{NAME}", {"spec": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}})
+    await eventually(lambda: harness.statefulset() is not None)
+    (c,) = harness.statefulset()["spec"]["template"]["spec"]["containers"]  # type: ignore[index]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"} and "--tensor-parallel-size" in c["args"]
+
+
 async def test_delete_removes_the_owned_objects(harness: Harness) -> None:
     await harness.create(replicas=1)
     for key in OWNED:

@@ -4,6 +4,8 @@ with every problem named."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import kubernetes_validate
 
@@ -93,12 +95,41 @@ def test_router_with_a_service_account_follows_its_engineset(k8s_version: str) -
 
 def test_invalid_spec_names_every_problem() -> None:
     bad = {"model": {"path": "", "pvc": "a", "hostPath": "/b"}, "engine": {"page_sise": "16", "device": "tpu"},
-           "router": {"dispatch": "random"}, "resources": {"limits": {"memory": "lots"}}, "tensorParallelSize": 2}
+           "router": {"dispatch": "random"}, "resources": {"limits": {"memory": "lots"}}, "tensorParallelSize": 0}
     with pytest.raises(InvalidSpec) as err:
         parse_spec(bad, default_image="img")
     msg = str(err.value)
-    for needle in ("spec.model.path", "pvc or hostPath", "page_sise", "device", "dispatch", "memory", "tensorParallelSize"):
+    for needle in ("spec.model.path", "pvc or hostPath", "page_sise", "device", "dispatch", "memory",
+                   "tensorParallelSize must be >= 1"):
         assert needle in msg, needle
+
+
+@pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
+def test_tensor_parallel_pods_get_a_gpu_a_rank(k8s_version: str) -> None:
+    """tensorParallelSize 2: one pod a DP rank still, 2 GPUs in it (by default), the engine started with
+    2 tensor-parallel ranks, a command line the real CLI accepts."""
+    es = {**ES, "spec": {**ES["spec"], "tensorParallelSize": 2, "resources": {"limits": {"memory": "64Gi"}}}}
+    spec = parse_spec(es["spec"], default_image="img")
+    sts = res.engine_statefulset(es, spec, 3)
+    kubernetes_validate.validate(sts, k8s_version, strict=True)
+    assert sts["spec"]["replicas"] == 3
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
+    parsed = build_parser().parse_args([a.replace("$(DP_RANK)", "0") for a in c["args"]])
+    assert (parsed.tensor_parallel_size, parsed.device) == (2, "cuda")
+    one = res.engine_statefulset(ES, parse_spec(ES["spec"], default_image="img"), 3)["spec"]["template"]["spec"]
+    assert "--tensor-parallel-size" not in one["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"resources": {"limits": {"nvidia.com/gpu": 1}}}, "nvidia.com/gpu '1' must equal spec.tensorParallelSize 2"),
+    ({"model": {"path": "m", "attentionHeads": 9}}, "tensorParallelSize 2 must divide spec.model.attentionHeads (9)"),
+    ({"engine": {"device": "cpu"}, "resources": {"limits": {"nvidia.com/gpu": 2}}}, "spec.engine.device is not cuda"),
+    ({"engine": {"device": "cuda", "tensor_parallel_size": "2"}}, "set spec.tensorParallelSize instead"),
+])
+def test_tensor_parallel_combinations_that_cannot_run_are_named(change: dict, needle: str) -> None:
+    with pytest.raises(InvalidSpec, match=re.escape(needle)):
+        parse_spec({**ES["spec"], "tensorParallelSize": 2, **change}, default_image="img")
 
 
 @pytest.mark.parametrize("k8s_version", ["1.30.0", "1.34.0"])
