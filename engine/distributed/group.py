@@ -16,6 +16,7 @@ import torch.distributed as dist
 # NVLink multicast (NVLS) and symmetric-memory multicast stay off unless the environment says otherwise:
 # the shared machines do not allow them
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+IDLE_FOREVER = datetime.timedelta(days=365)
 
 
 def multicast_off_defaults() -> None:
@@ -31,10 +32,15 @@ class TpGroup:
         self.rank, self.size, self.device = rank, size, device
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
-        self._host_group = dist.ProcessGroupGloo(dist.PrefixStore("host", self._store), rank, size, timeout)
+        # Any: the stubs give the backends no collectives (they have them, as every process group does).
+        # No timeout that an idle engine could reach: the other ranks wait for rank 0's next batch
+        # (a rank that dies closes its connections, which ends the wait at once)
+        self._host_group: Any = dist.ProcessGroupGloo(dist.PrefixStore("host", self._store), rank, size,
+                                                      IDLE_FOREVER)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            self._device_group: Any = dist.ProcessGroupNCCL(dist.PrefixStore("device", self._store), rank, size)
+            self._device_group: Any = dist.ProcessGroupNCCL(dist.PrefixStore("device", self._store), rank, size,
+                                                            dist.ProcessGroupNCCL.Options())
         else:
             self._device_group = dist.ProcessGroupGloo(dist.PrefixStore("device", self._store), rank, size, timeout)
 

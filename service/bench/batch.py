@@ -28,6 +28,7 @@ def add_runner_flags(p: argparse.ArgumentParser, shape: str | None = "llama-3.2-
     p.add_argument("--enable-piecewise-cuda-graph", action="store_true",
                    help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (a GPU each) the model is split over")
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
@@ -64,7 +65,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
             "disable_cuda_graph": args.disable_cuda_graph,
             "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
-            "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens}
+            "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
+            "tensor_parallel_size": args.tensor_parallel_size}
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -148,3 +148,32 @@ def test_each_rank_reads_its_slice_of_a_tensor(tiny_model: Path) -> None:
         torch.testing.assert_close(part[q], full[q][rank * half:(rank + 1) * half], rtol=0, atol=0)
         torch.testing.assert_close(part[o], full[o][:, rank * half:(rank + 1) * half], rtol=0, atol=0)
         torch.testing.assert_close(part["model.norm.weight"], full["model.norm.weight"], rtol=0, atol=0)
+
+
+def test_an_idle_rank_waits_past_the_collective_timeout() -> None:
+    """The other ranks wait for rank 0's next batch however long the engine idles: the all-reduce
+    timeout (1 s here) does not apply to that wait."""
+    import socket
+    import threading
+    import time
+
+    from modeserve.engine.distributed.group import TpGroup
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got: list[Any] = []
+
+    def rank1() -> None:
+        tp = TpGroup(1, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=1.0)
+        got.append(tp.recv_step())
+        got.append(tp.all_reduce(torch.ones(3)).tolist())
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    tp = TpGroup(0, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=1.0)
+    time.sleep(2.5)
+    tp.send_step(("launch", [1, 2]))
+    assert tp.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    t.join(10)
+    assert got == [("launch", [1, 2]), [2.0, 2.0, 2.0]]

@@ -4,6 +4,7 @@ SIGKILL, draining, ranks added at run time, lockstep with IDLE steps."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import threading
@@ -91,13 +92,18 @@ def test_three_ranks_48_streams_and_prefix_dispatch(router_over: Callable, tiny_
     assert sorted(gained)[:2] == [0, 0] and max(gained) >= 6 * 48  # all hits on one rank
 
 
-@pytest.mark.parametrize("variant", [None, "ngram", "draft", "mutual-tls", "split"])
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("variant", [None, "ngram", "draft", "mutual-tls", "split", "tensor-parallel"])
 def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Path, variant: str | None,
                                           tmp_path: Path) -> None:
     """With n-gram drafts, with a draft model in each engine, with mutual TLS between router and
-    engines, and with split prefill (the moved requests' prompts and tokens recomputed a slice of
-    layers a step beside the survivors' decodes), too: a request moved to another rank mid-run keeps
-    what was delivered (its accepted runs included) and goes on without a gap or a repeat."""
+    engines, with split prefill (the moved requests' prompts and tokens recomputed a slice of
+    layers a step beside the survivors' decodes), and with two tensor-parallel ranks an engine, the
+    one killed being an engine's rank 1 (which takes its engine out), too: a request moved to another
+    rank mid-run keeps what was delivered (its accepted runs included) and goes on without a gap or a repeat."""
     speculative = variant if variant in ("ngram", "draft") else None
     sched = dataclasses.replace(SCHED, speculative_algorithm=speculative)
     if variant == "split":
@@ -110,6 +116,8 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
         keys = pki(tmp_path / "pki", "dp")
         engine_args = ("--tls-cert", str(keys.server.cert), "--tls-key", str(keys.server.key), "--tls-ca", keys.ca_file)
         tls = {"engine_tls": keys.client}
+    if variant == "tensor-parallel":
+        engine_args = ("--tensor-parallel-size", "2")
     app, client, procs = router_over(3, sched=sched, engine_args=engine_args, dispatch="round-robin", **tls)
     prompts = mixed_prompts(24, COMMON["vocab_size"], seed=22, max_len=30)
     if speculative:
@@ -134,10 +142,14 @@ def test_sigkill_one_engine_loses_nothing(router_over: Callable, tiny_model: Pat
         t.start()
     assert started.wait(30)
     victim = procs[1][0]
-    victim.kill()
+    if variant == "tensor-parallel":
+        (rank1,) = child_pids(victim.pid)
+        os.kill(rank1, signal.SIGKILL)
+    else:
+        victim.kill()
     for t in threads:
         t.join(timeout=120)
-    assert victim.wait(timeout=10) == -signal.SIGKILL
+    assert victim.wait(timeout=10) == (70 if variant == "tensor-parallel" else -signal.SIGKILL)
     assert all(o is not None and o.finish_reason == "length" for o in outs)
     assert [o.token_ids for o in outs if o is not None] == expect  # none lost, none duplicated
     if speculative:

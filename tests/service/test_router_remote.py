@@ -150,3 +150,23 @@ def test_block_diffusion_streams_over_a_remote_engine_equal_llm_generate(tmp_pat
         app.stop(grace=1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_tensor_parallel_engine_streams_equal_llm_generate(tiny_model: Path) -> None:
+    """A remote engine of two tensor-parallel ranks (``--tensor-parallel-size 2``: the engine process is
+    rank 0 and starts rank 1): streams equal one rank's ``LLM.generate``; SIGTERM stops both ranks."""
+    proc, addr = spawn("engine", "--model", str(tiny_model), "--host", "127.0.0.1", "--port", "0", "--page-size", "4",
+                       "--kv-cache-tokens", "2048", "--tensor-parallel-size", "2")
+    (rank1,) = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    app = start_remote_router("127.0.0.1:0", [addr], None, RemoteRouterConfig(
+        SchedulerConfig(chunked_prefill_size=32, enable_mixed=True, max_prefill_ratio=0.5)))
+    client = GenerateClient(f"127.0.0.1:{app.port}")
+    try:
+        exact_streams(client, tiny_model, mixed_prompts(24, COMMON["vocab_size"], seed=31, max_len=40), 12)
+        wait_idle(app)
+    finally:
+        client.close()
+        app.stop(grace=1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
