@@ -10,11 +10,10 @@ import torch
 
 from .config import EngineConfig
 from .default_model import default_model_path
-from .distributed.group import TpGroup
 from .distributed.launch import TpWorkers
 from .distributed.shard import check_tensor_parallel
-from .models.dllm_spec import resolve_dllm
 from .models.loader import Checkpoint, open_checkpoint
+from .runner.build import build_runner
 from .runner.model_runner import ModelRunner
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -61,16 +60,6 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
         raise
     return EngineParts(path, config, ckpt, tokenizer, runner, tuple(dict.fromkeys(eos + ckpt.config.eos_token_ids)),
                        workers)
-
-
-def build_runner(config: EngineConfig, ckpt: Checkpoint, progress: Callable[[str], None] | None = None,
-                 tp: TpGroup | None = None, draft: Checkpoint | None = None) -> ModelRunner:
-    """The model runner of ``config`` (one rank's, given ``tp``): the recipe every rank follows."""
-    sched = config.scheduler
-    dllm = resolve_dllm(ckpt.config, config.runner.dllm_block_size, config.runner.dllm_mask_token_id)
-    return ModelRunner(config.runner, ckpt, progress, draft,
-                       sched.speculative_num_steps + 1 if sched.speculative_algorithm else 0,
-                       (sched.speculative_ngram_min, sched.speculative_ngram_max), dllm, tp)
 
 
 def check_draft(target: Checkpoint, tokenizer: Tokenizer | None, draft: Checkpoint, draft_tokenizer: Tokenizer | None) -> None:

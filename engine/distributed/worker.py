@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..builder import build_runner
+from ..runner.build import build_runner
 from ..config import EngineConfig
 from ..models.loader import open_checkpoint
 from .group import TpGroup
