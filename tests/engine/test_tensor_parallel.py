@@ -74,12 +74,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "page1": dict(page_size=1, kv_cache_tokens=2048),
     "prefix_hits": dict(page_size=4, kv_cache_tokens=2048),
     "preemption": dict(page_size=4, kv_cache_tokens=160, max_running_requests=8),  # too small for all at once
+    # TARGET_VERIFY steps (chained verify rows on the device: each rank resolves them alike)
+    "ngram": dict(page_size=4, kv_cache_tokens=2048, speculative_algorithm="ngram"),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_ranks_under_paging_prefix_hits_and_preemption(tiny_model: Path, variant: str) -> None:
     prompts = PROMPTS
+    if variant == "ngram":
+        prompts = [p * 3 for p in PROMPTS]  # repeats: prompt lookup finds drafts
     if variant == "prefix_hits":
         prompts = [PROMPTS[0] + p for p in PROMPTS]  # a shared prefix of PROMPTS[0]'s tokens
     two = LLM(model=str(tiny_model), tensor_parallel_size=2, **VARIANTS[variant])
@@ -92,8 +96,33 @@ def test_two_ranks_under_paging_prefix_hits_and_preemption(tiny_model: Path, var
             assert two.stats()["num_prefix_hit_tokens"] >= len(PROMPTS[0]) // 4 * 4 * (len(prompts) - 1)
         else:
             assert greedy(two, prompts) == want
+        stats = two.stats()
         if variant == "preemption":
-            assert two.stats()["num_retractions"] > 0
+            assert stats["num_retractions"] > 0
+        if variant == "ngram":
+            assert stats["speculative"]["accepted_tokens"] > 0 and stats["speculative"]["chained_rows"] > 0
+
+    finally:
+        two.close()
+
+
+def test_two_ranks_split_prefill_beside_decodes(tiny_model: Path) -> None:
+    """Long prompts arriving while others decode run a slice of layers a step on both ranks."""
+    two = LLM(model=str(tiny_model), tensor_parallel_size=2, page_size=4, kv_cache_tokens=2048,
+              enable_split_prefill=True, split_prefill_min_tokens=24, split_prefill_token_budget=48)
+    try:
+        short = [two.make_request(p, GREEDY) for p in PROMPTS[:4]]
+        for r in short:
+            two.add_request(r)
+        two.run_until(lambda: all(len(r.output_ids) >= 2 for r in short))
+        long = [two.make_request((p * 8)[:120], GREEDY) for p in PROMPTS[4:]]  # 24 to 120 tokens
+        for r in long:
+            two.add_request(r)
+        two.run_until(lambda: all(r.finished for r in short + long))
+        ref = load_reference(tiny_model)
+        assert [list(r.output_ids) for r in short + long] == [reference_greedy(ref, r.prompt_ids, NEW_TOKENS)
+                                                               for r in short + long]
+        assert two.stats()["mode_distribution"]["SPLIT_PREFILL"] >= 2 * len(long)
     finally:
         two.close()
 
