@@ -57,7 +57,8 @@ MODE_TRAITS: dict[ForwardMode, ModeTraits] = {
     # is refused (the target would run it as a plain extend)
     ForwardMode.DRAFT_EXTEND: ModeTraits(True, False, True, True, False, "speculative decoding: draft catch-up"),
     # a block-diffusion model's every step: prompt blocks and the block being denoised (block-causal
-    # attention); eager for now (CUDA graphs per batch bucket are not captured yet)
+    # attention); the runner replays its graphs when every request brings its current block alone
+    # (uses_cuda_graph False, as for TARGET_VERIFY: DP lockstep pads decode buckets only)
     ForwardMode.DLLM_EXTEND: ModeTraits(True, False, False, True, True, "diffusion LM block denoising"),
     # one request's prefill (or prefill chunk), a slice of layers a step, between the decode steps; it
     # samples on its last slice only

@@ -3,7 +3,8 @@ one memory pool. A batch is padded to the next bucket (padded rows write KV slot
 reserved), replayed, and sliced back.
 
 One runner serves one mode with a fixed number ``q`` of query tokens a request: DECODE (q = 1, IDLE
-replays its buckets too) or TARGET_VERIFY (q = k + 1: a request's last token and its k drafts).
+replays its buckets too), TARGET_VERIFY (q = k + 1: a request's last token and its k drafts) or
+DLLM_EXTEND (q = the block size: each request's current block, whose queries see each other).
 A graph reads its step inputs from one static int64 buffer, laid out per bucket as consecutive runs:
 token ids, positions and KV slots (``q * bs`` each), request rows and sequence lengths (``bs`` each); ``upload`` fills a bucket's runs, padding included, with one host-to-device
 copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0 over request row 0.
@@ -86,7 +87,7 @@ class CudaGraphRunner:
             for run, pad in zip(rows, self._pad):
                 run.fill_(pad)
             self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens,
-                                                   self._slot_table, self.q))
+                                                   self._slot_table, self.q, self.mode == ForwardMode.DLLM_EXTEND))
             for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
                 self._forward(rows)
             torch.cuda.synchronize()

@@ -139,6 +139,11 @@ class ModelRunner:
         )
 
     @property
+    def _block_graph_max_bs(self) -> int:
+        """The largest DLLM_EXTEND graph bucket (a block of queries a request, as a verify step's k + 1)."""
+        return min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests, VERIFY_GRAPH_MAX_BS)
+
+    @property
     def _verify_graph_max_bs(self) -> int:
         """The largest TARGET_VERIFY (and draft DECODE) graph bucket; 0: none."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.verify_queries:
@@ -148,6 +153,7 @@ class ModelRunner:
     def _init_cuda_graphs(self, progress: Callable[[str], None] | None) -> None:
         self.graphs: CudaGraphRunner | None = None
         self.verify_graphs: CudaGraphRunner | None = None
+        self.dllm_graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseExtend | None = None
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph:
             return
@@ -157,6 +163,11 @@ class ModelRunner:
         if not self.attn.supports_cuda_graph:
             logger.info("attention backend %s has no CUDA-graph support: decode runs eagerly",
                         self.attention_backend_name)
+            return
+        if self.dllm is not None:  # no decode steps: DLLM_EXTEND steps of one block a request replay graphs
+            self.dllm_graphs = CudaGraphRunner(self.model, self.attn, self._block_graph_max_bs, self.device,
+                                               self.slots.req_to_token, progress, ForwardMode.DLLM_EXTEND,
+                                               self.dllm.block_size)
             return
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
         self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress)
@@ -306,8 +317,14 @@ class ModelRunner:
         return drafted
 
     def _graphs_for(self, batch: ForwardBatch) -> CudaGraphRunner | None:
-        """The graphs that may replay ``batch``: DECODE's (IDLE's too), or TARGET_VERIFY's when every
-        request carries k drafts."""
+        """The graphs that may replay ``batch``: DECODE's (IDLE's too), TARGET_VERIFY's when every
+        request carries k drafts, DLLM_EXTEND's when every request brings its current block alone."""
+        if batch.forward_mode == ForwardMode.DLLM_EXTEND:  # each request's current block, sampled, alone
+            graphs = self.dllm_graphs
+            if graphs is None or not ((batch.extend_lens == graphs.q).all() and batch.sample_mask.all()
+                                      and (batch.prefix_lens % graphs.q == 0).all()):
+                return None
+            return graphs
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             return self.graphs
         if self.verify_graphs is None or not (batch.extend_lens == self.verify_graphs.q).all():

@@ -46,7 +46,8 @@ class AttentionInputs:
     def uniform_queries(self) -> int:
         """The query tokens every request brings, where a decode kernel can take the step: 1 for a
         decode, k + 1 for a TARGET_VERIFY step in which each request has k drafts, 2 for a draft's
-        catch-up (as its CUDA graphs run it, so that eager and replay use one kernel); 0 for other steps."""
+        catch-up (as its CUDA graphs run it, so that eager and replay use one kernel), the block size for a
+        DLLM_EXTEND step of one block a request (its queries see the whole block); 0 for other steps."""
         lens = self.extend_lens_cpu
         if self.one_token_per_row:
             return 1
@@ -54,6 +55,9 @@ class AttentionInputs:
             return 0
         if self.forward_mode == ForwardMode.TARGET_VERIFY:
             return lens[0]
+        if self.forward_mode == ForwardMode.DLLM_EXTEND:  # each request's current block alone, from its start
+            block = self.block_size
+            return block if lens[0] == block and all(p % block == 0 for p in self.prefix_lens_cpu) else 0
         return CATCH_UP_QUERIES if self.forward_mode == ForwardMode.DRAFT_EXTEND and lens[0] == CATCH_UP_QUERIES else 0
 
     @property
@@ -73,6 +77,7 @@ class GraphInputs:
     seq_lens: torch.Tensor  # [bs]
     req_to_token: torch.Tensor  # [max_reqs, max_context]: the engine's slot table (allocated once)
     tokens_per_row: int = 1
+    whole_row: bool = False  # a request's queries see each other (DLLM_EXTEND: one block a request)
 
 
 class AttentionBackend(abc.ABC):

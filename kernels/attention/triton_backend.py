@@ -28,7 +28,8 @@ class _DecodeMeta:
     req_to_token: torch.Tensor  # [max_reqs, max_context] int64 (device)
     req_pool_indices: torch.Tensor  # [B] (device)
     seq_lens: torch.Tensor  # [B] (device)
-    queries: int = 1  # query tokens a request (a verify step's k + 1)
+    queries: int = 1  # query tokens a request (a verify step's k + 1, a DLLM step's block)
+    whole_row: bool = False  # they see each other (a DLLM block), not causally
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._out_cache_loc = inputs.out_cache_loc
         extend_lens = inputs.extend_lens_cpu
         queries = inputs.uniform_queries
-        if queries and not inputs.block_size:
+        if queries:
             self._reserve_counters(len(extend_lens))
-            self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, queries)
+            self._meta = _DecodeMeta(inputs.req_to_token, inputs.req_pool_indices, inputs.seq_lens, queries,
+                                     inputs.block_size > 0)
             return
         qo_start = [0] * len(extend_lens)
         for i in range(1, len(extend_lens)):
@@ -93,7 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
         table row 0). A verify graph's query starts and lengths are fixed: ``tokens_per_row`` each."""
         q = static.tokens_per_row
         self._reserve_counters(bs)
-        meta = _DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens, q)
+        meta = _DecodeMeta(static.req_to_token, static.req_pool_indices, static.seq_lens, q, static.whole_row)
         self._graph_rows[bs, q] = (meta, static.out_cache_loc)
         self._meta, self._out_cache_loc = meta, static.out_cache_loc
 
@@ -115,7 +117,8 @@ class TritonAttentionBackend(AttentionBackend):
                 rotary: DecodeRotary | None = None) -> torch.Tensor:
         return decode_attention(q, self.kv_cache.k[layer_id], self.kv_cache.v[layer_id], meta.req_to_token,
                                 meta.req_pool_indices, meta.seq_lens, self.scale, self.sliding_window,
-                                self._num_kv_splits, self._counters, rotary, self._decode_tiles, meta.queries)
+                                self._num_kv_splits, self._counters, rotary, self._decode_tiles, meta.queries,
+                                meta.whole_row)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 kv_stored: bool = False) -> torch.Tensor:

@@ -53,6 +53,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROTARY: tl.constexpr, USE_PDL: tl.constexpr, QUERIES: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,  # a request's queries all see each other (a DLLM block), not causally
 ):
     if ROTARY:
         pdl_release(USE_PDL)  # waits below, after loading its first block of older keys
@@ -86,7 +87,10 @@ def _decode_split_kernel(
         heads = kv_head * GROUP + offs_h % GROUP
         tok = b.to(tl.int64) * QUERIES + offs_h // GROUP  # [BLOCK_H]
         tok_rows = tok[:, None]
-        limit = seq_len - (QUERIES - 1) + offs_h // GROUP
+        if WHOLE_ROW:
+            limit = seq_len + offs_h * 0
+        else:
+            limit = seq_len - (QUERIES - 1) + offs_h // GROUP
     row = table_ptr + req * table_stride
     first = lo
     if ROTARY:
@@ -290,13 +294,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, num_kv_splits: int | None = None,
                      counters: torch.Tensor | None = None, rotary: DecodeRotary | None = None,
-                     tiles: DecodeTiles | None = None, queries: int = 1) -> torch.Tensor:
+                     tiles: DecodeTiles | None = None, queries: int = 1, whole_row: bool = False) -> torch.Tensor:
     """q: [B, Hq, D], k/v_cache: [num_slots, Hkv, D], req_to_token: [max_reqs, max_context] int64 (rows
     contiguous), req_pool_indices/seq_lens: [B] -> out [B, Hq, D] in q's dtype.
 
     ``queries``: q is [B * queries, Hq, D], request b's ``queries`` consecutive query tokens at the
     last positions of its ``seq_lens[b]`` (a TARGET_VERIFY step's), each seeing the keys up to its
     own position (their keys must be in the cache: no ``rotary``); the output is shaped like q.
+    ``whole_row``: each of them sees all of the request's keys, the other queries' too (the current
+    block of a DLLM_EXTEND step, block-causal; no sliding window).
 
     ``counters``: int32 zeros, at least B * Hkv of them, that the kernel leaves at zero (keep one
     buffer across calls and in CUDA graphs); None: allocated here.
@@ -310,6 +316,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if queries < 1 or tokens % queries or req_pool_indices.shape[0] != batch or (queries > 1 and rotary is not None):
         raise ValueError(f"{tokens} query rows are not {queries} a request for {req_pool_indices.shape[0]} "
                          "requests (several a request: no rotary)")
+    if whole_row and sliding_window:
+        raise ValueError("whole-row queries (a block) take no sliding window")
     if num_heads % num_kv_heads or q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("need num_heads a multiple of num_kv_heads and a contiguous head_dim")
     if req_to_token.dtype != torch.int64 or req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
@@ -343,6 +351,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(splits),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROTARY=rotary is not None, QUERIES=queries,
+        WHOLE_ROW=whole_row and queries > 1,
         num_warps=tiles.num_warps or (4 if head_dim <= 128 else 8),
         **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}), **pdl_args(q.device),
     )

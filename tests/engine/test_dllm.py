@@ -91,15 +91,34 @@ def test_greedy_equals_the_reference(sdar: tuple[Path, torch.nn.Module, int], th
         assert set(unmasked) == {1}
 
 
-def test_the_triton_extend_kernel_block_causal_equals_the_reference(sdar: tuple[Path, torch.nn.Module, int]) -> None:
-    """The project's Triton extend kernel with its block-causal mask (Triton's CPU interpreter here)."""
+def test_the_triton_kernels_block_causal_equal_the_reference(sdar: tuple[Path, torch.nn.Module, int],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project's Triton kernels (Triton's CPU interpreter here): the extend kernel with its
+    block-causal mask (prompts, a committed block with the next), the decode kernel with whole-row
+    queries (the steps of one block a request, as their CUDA graphs run them)."""
     pytest.importorskip("triton")
+    import modeserve.kernels.attention.triton_backend as backend
+
+    calls = {"extend": 0, "block": 0}
+    extend, decode = backend.extend_attention, backend.decode_attention
+
+    def spy_extend(*args: Any) -> torch.Tensor:
+        calls["extend"] += args[-1] > 0  # block-causal
+        return extend(*args)
+
+    def spy_decode(*args: Any) -> torch.Tensor:
+        calls["block"] += bool(args[-1])  # whole_row
+        return decode(*args)
+
+    monkeypatch.setattr(backend, "extend_attention", spy_extend)
+    monkeypatch.setattr(backend, "decode_attention", spy_decode)
     folder, ref, block = sdar
     # past a block's end: the committed block's KV rewritten beside the next block's first step
     new, prompts = (12, PROMPTS[:4]) if block == 4 else (34, PROMPTS[:2])
     llm = LLM(model=str(folder), page_size=16, kv_cache_tokens=4096, attention_backend="triton")
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy(new))]
     assert got == [reference(ref, p, block, new, 0.95) for p in prompts]
+    assert calls["extend"] > 0 and calls["block"] > 0
 
 
 def test_prefix_hits_and_preemption(tmp_path: Path) -> None:
@@ -180,10 +199,31 @@ def test_metrics_histogram_of_tokens_committed_per_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_fp32_cuda_equals_the_reference(tmp_path: Path) -> None:
-    """On a GPU in fp32 (the Triton extend kernel, block-causal): the reference's tokens."""
-    folder, ref = make_sdar(tmp_path / "sdar", 4)
-    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
-              attention_backend="triton")
-    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(12))]
-    assert got == [reference(ref, p, 4, 12, 0.95) for p in PROMPTS]
+@pytest.mark.parametrize("block", [4, 32])
+def test_fp32_cuda_equals_the_reference(tmp_path: Path, block: int) -> None:
+    """On a GPU in fp32 (the Triton kernels: extend block-causal, decode with whole-row queries), the
+    steps of one block a request replaying their CUDA graphs: the reference's tokens, and an eager
+    engine's tokens and confidences step by step."""
+    folder, ref = make_sdar(tmp_path / "sdar", block)
+    new = 12 if block == 4 else 40
+    kw: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
+                              attention_backend="triton")
+    llm = LLM(model=str(folder), **kw)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(new))]
+    assert got == [reference(ref, p, block, new, 0.95) for p in PROMPTS]
+    graphs = llm.runner.dllm_graphs
+    assert graphs is not None and graphs.hits["DLLM_EXTEND"] > 0 and llm.runner.graphs is None
+    eager = LLM(model=str(folder), disable_cuda_graph=True, **kw)
+    for engine in (llm, eager):
+        for p in PROMPTS[:4]:
+            engine.add_request(engine.make_request(p, greedy(new)))
+    replays = graphs.hits["DLLM_EXTEND"]
+    while llm.scheduler.has_work:
+        a, b = llm.scheduler.schedule(), eager.scheduler.schedule()
+        assert a is not None and b is not None and a.batch.forward_mode == b.batch.forward_mode
+        ra, rb = llm.runner.forward(a.batch), eager.runner.forward(b.batch)
+        np.testing.assert_array_equal(ra.next_token_ids, rb.next_token_ids)
+        np.testing.assert_allclose(ra.confidences, rb.confidences, rtol=1e-4, atol=1e-6)
+        llm.scheduler.process_result(a, ra)
+        eager.scheduler.process_result(b, rb)
+    assert graphs.hits["DLLM_EXTEND"] > replays and eager.runner.dllm_graphs is None

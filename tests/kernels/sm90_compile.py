@@ -121,6 +121,9 @@ def _calls() -> None:
                 rotary=attention_decode.DecodeRotary(k, v, i64(3), cos_sin, i64(3)))
             # a verify step's queries: one request, its three query tokens in the one program
             attention_decode.decode_attention(q, kc, vc, table, i64(1), lens[:1], 0.1, window, splits, queries=3)
+        # a DLLM block's queries, which all see each other
+        attention_decode.decode_attention(q, kc, vc, table, i64(1), lens[:1], 0.1, None, splits, queries=3,
+                                          whole_row=True)
     i32 = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
     for window in (None, 16):
         attention_extend.extend_attention(q, kc, vc, table, i64(1), i32(1), i32(1), torch.full((1,), 3, dtype=torch.int32),

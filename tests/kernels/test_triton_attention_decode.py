@@ -98,9 +98,11 @@ def check_decode_rotary(num_kv_splits: int | None, num_heads: int, num_kv_heads:
 
 
 def check_verify_queries(queries: int, num_kv_splits: int | None, num_heads: int, num_kv_heads: int, head_dim: int,
-                         window: int | None, device: str, dtype: torch.dtype, tol: float) -> None:
+                         window: int | None, device: str, dtype: torch.dtype, tol: float,
+                         whole_row: bool = False, reference_whole_row: bool | None = None) -> None:
     """Several query tokens a request (a verify step's last token and drafts, ``queries``): each row
-    against dense causal attention over its request's keys up to its own position."""
+    against dense causal attention over its request's keys up to its own position; ``whole_row`` (a
+    DLLM block): over all of its request's keys."""
     g = torch.Generator().manual_seed(queries * 7 + head_dim + (num_kv_splits or 0))
     seq = [queries, queries + 1, 40, 150, 67]  # sequence lengths with this step's tokens
     req_to_token, num_slots = slot_table(seq, 2, g)  # request r in pool row r + 2
@@ -110,11 +112,13 @@ def check_verify_queries(queries: int, num_kv_splits: int | None, num_heads: int
     scale = 1 / math.sqrt(head_dim)
     out = decode_attention(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype),
                            req_to_token.to(device), torch.arange(2, len(seq) + 2, device=device),
-                           torch.tensor(seq, device=device), scale, window, num_kv_splits, queries=queries).cpu()
+                           torch.tensor(seq, device=device), scale, window, num_kv_splits, queries=queries,
+                           whole_row=whole_row).cpu()
     group = num_heads // num_kv_heads
     for r, s in enumerate(seq):
         for j in range(queries):
-            end = s - queries + j + 1  # keys [0, end) are at or before this query's position
+            whole = whole_row if reference_whole_row is None else reference_whole_row
+            end = s if whole else s - queries + j + 1  # keys [0, end): at or before this query's position
             idx = req_to_token[r + 2, max(0, end - window) if window else 0 : end]
             kk = k_cache[idx].double().repeat_interleave(group, dim=1)  # [S, Hq, D]
             vv = v_cache[idx].double().repeat_interleave(group, dim=1)
@@ -159,6 +163,20 @@ def test_verify_queries_attend_causally(queries: int, num_kv_splits: int, num_he
                                         window: int | None) -> None:
     """32 splits leave the first queries of short requests slices with no key of theirs."""
     check_verify_queries(queries, num_kv_splits, num_heads, num_kv_heads, 32, window, "cpu", torch.float32, 1e-4)
+
+
+@pytest.mark.parametrize(("queries", "num_kv_splits", "num_heads", "num_kv_heads"), [(4, 1, 8, 2), (4, 32, 4, 4), (8, 3, 8, 2)])
+def test_block_queries_see_the_whole_block(queries: int, num_kv_splits: int, num_heads: int, num_kv_heads: int) -> None:
+    """A DLLM block through the decode kernel: every query of it sees all of its request's keys (the
+    causal kernel does not: the reference tells them apart)."""
+    args = (queries, num_kv_splits, num_heads, num_kv_heads, 32, None, "cpu", torch.float32, 1e-4)
+    check_verify_queries(*args, whole_row=True)
+    with pytest.raises(AssertionError):
+        check_verify_queries(*args, whole_row=False, reference_whole_row=True)
+    with pytest.raises(ValueError, match="no sliding window"):
+        decode_attention(torch.zeros(4, 4, 16), torch.zeros(3, 2, 16), torch.zeros(3, 2, 16),
+                         torch.zeros(1, 8, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.full((1,), 4),
+                         0.25, 8, queries=4, whole_row=True)
 
 
 def test_verify_queries_must_divide_the_rows() -> None:
