@@ -127,6 +127,23 @@ def test_two_ranks_split_prefill_beside_decodes(tiny_model: Path) -> None:
         two.close()
 
 
+def test_two_ranks_of_a_block_diffusion_model(tmp_path: Path) -> None:
+    """DLLM_EXTEND steps (block-causal attention, a block's tokens and confidences a step) on two ranks:
+    the single-rank engine's tokens, which are the reference's (tests/engine/test_dllm.py)."""
+    from tests.engine.test_dllm import PROMPTS as DLLM_PROMPTS
+    from tests.engine.test_dllm import greedy as dllm_greedy
+    from tests.engine.test_dllm import make_sdar, reference
+
+    folder, ref = make_sdar(tmp_path / "sdar", 4)
+    two = LLM(model=str(folder), page_size=4, kv_cache_tokens=2048, tensor_parallel_size=2)
+    try:
+        got = [o.token_ids for o in two.generate(prompt_token_ids=DLLM_PROMPTS[:4], sampling_params=dllm_greedy(12))]
+        assert got == [reference(ref, p, 4, 12, 0.95) for p in DLLM_PROMPTS[:4]]
+        assert set(two.stats()["mode_distribution"]) == {"DLLM_EXTEND"}
+    finally:
+        two.close()
+
+
 def test_two_ranks_sample_one_stream(tiny_model: Path) -> None:
     """Seeded sampling at two ranks (rank 0's draws given to the other) gives the streams of one rank."""
     sp = [SamplingParams(temperature=1.0, top_k=20, seed=s, max_new_tokens=NEW_TOKENS, ignore_eos=True)
