@@ -48,6 +48,12 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
         if ckpt.is_gguf:
             raise ValueError("tensor parallelism loads Hugging Face safetensors folders, not GGUF files")
         check_tensor_parallel(ckpt.config, size)
+        if config.runner.device not in ("cpu", "cuda"):
+            raise ValueError(f"tensor parallelism places rank r on cuda:r (or the CPU): give device 'cuda' or 'cpu', "
+                             f"not {config.runner.device!r}")
+        if config.runner.device == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices, this machine has "
+                             f"{torch.cuda.device_count()}")
         if draft is not None:
             raise ValueError("speculative_algorithm 'draft' runs with tensor_parallel_size 1 (n-gram drafts do not)")
         device = torch.device(config.runner.device, 0) if config.runner.device == "cuda" else torch.device("cpu")

@@ -165,6 +165,8 @@ def test_bad_combinations_are_refused(tiny_model: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="runs with tensor_parallel_size 1"):
         LLM(model=str(tiny_model), tensor_parallel_size=2, speculative_algorithm="draft",
             speculative_draft_model=str(tiny_model))
+    with pytest.raises(ValueError, match="give device 'cuda' or 'cpu', not 'cuda:1'"):
+        LLM(model=str(tiny_model), tensor_parallel_size=2, device="cuda:1")
     with pytest.raises(ValueError, match="not GGUF"):
         LLM(model=None, tensor_parallel_size=2)  # the embedded default model is a GGUF file
 
