@@ -87,6 +87,8 @@ def _profiles(llm: Any, prompts: list[list[int]], k: int, steps: int) -> dict[st
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ...engine.llm import LLM
 
+    if args.tensor_parallel_size > 1:  # it captures verify graphs anew on the runner, which other ranks would not
+        raise ValueError("bench verify runs one rank (--tensor-parallel-size 1)")
     tmp = tempfile.TemporaryDirectory()
     folder, load_format = model_folder(args, tmp.name)
     top_bs, k_max = max(args.batch_sizes), max(args.ks)
