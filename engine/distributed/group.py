@@ -50,6 +50,13 @@ class TpGroup:
         self._device_group.allreduce([x]).wait()
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` [..., n] side by side along the last dimension, rank 0's first: [..., size * n]."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._device_group.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank (same shape and dtype everywhere), in place."""
         x = x.contiguous()

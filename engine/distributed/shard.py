@@ -3,8 +3,9 @@ and MLP columns (its local ``ModelConfig``) and, per checkpoint tensor, the slic
 loads. q/k/v and gate/up are split by output rows (column parallel), o and down by input columns
 (row parallel: their outputs are summed over the ranks). KV heads are split when there are at least
 as many as ranks, else replicated: rank r keeps KV head r * num_kv_heads // size, the one its query
-heads read. Embedding, norms and the LM head are whole on every rank (the head replicated: each rank
-then has the full logits for the one sampling step without a gather)."""
+heads read. The LM head is split by vocabulary rows where the ranks divide the vocabulary (each rank
+reads 1/size of it a step; the logits are gathered), else whole on every rank. Embedding and norms
+are whole on every rank (a step reads only its tokens' rows of the embedding)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ def kv_head_begin(cfg: ModelConfig, rank: int, size: int) -> int:
     return rank * cfg.num_kv_heads // size
 
 
+def head_rows(cfg: ModelConfig, rank: int, size: int) -> Slice | None:
+    """Rank ``rank``'s rows of the LM head (vocabulary ids), or None: the whole head (the vocabulary
+    does not divide by ``size``)."""
+    if size == 1 or cfg.vocab_size % size:
+        return None
+    n = cfg.vocab_size // size
+    return Slice(0, rank * n, n)
+
+
 def weight_slice(name: str, cfg: ModelConfig, rank: int, size: int) -> Slice | None:
     """The part of checkpoint tensor ``name`` (Hugging Face naming) that rank ``rank`` loads; None: all of it."""
     if size == 1:
@@ -60,4 +70,6 @@ def weight_slice(name: str, cfg: ModelConfig, rank: int, size: int) -> Slice | N
         return Slice(0, rank * local.intermediate_size, local.intermediate_size)
     if ".down_proj." in name:
         return Slice(1, rank * local.intermediate_size, local.intermediate_size)
+    if name == "lm_head.weight":
+        return head_rows(cfg, rank, size)
     return None

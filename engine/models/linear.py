@@ -27,22 +27,23 @@ class Linear(nn.Linear):
     gemv_add_norm: GemvAddNorm | None = None  # set with ``gemv`` where the kernel has the add+norm epilogue
     _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap),
     # allocated with ``gemv_add_norm`` by ``choose_gemv``, outside any graph capture
-    # row parallel (tensor parallelism): the sum over the ranks of each rank's partial output
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # tensor parallelism: the ranks' outputs made one (summed for a row-parallel layer, concatenated for
+    # the vocab-parallel head)
+    combine: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
             out = self.gemv(x, self.weight, self.bias)
         else:
             out = super().forward(x)
-        return out if self.all_reduce is None else self.all_reduce(out)
+        return out if self.combine is None else self.combine(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          add_rms_norm: AddNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``add_rms_norm(self(x), residual, norm_weight, eps)``: (normalised, new residual); a one-row x
         through the GEMV kernel adds and normalises in the kernel's last program (no separate launch), but
         for a row-parallel layer, whose output is summed over the ranks first."""
-        if (self.gemv_add_norm is not None and self.all_reduce is None and x.dim() == 2 and x.shape[0] == 1
+        if (self.gemv_add_norm is not None and self.combine is None and x.dim() == 2 and x.shape[0] == 1
                 and residual.is_contiguous()):
             return self.gemv_add_norm(x, self.weight, self.bias, residual, norm_weight, eps, self._counter)
         return add_rms_norm(self(x), residual, norm_weight, eps)

@@ -143,7 +143,9 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, kops: KernelOps = TORCH_OPS) -> None:
+    def __init__(self, cfg: ModelConfig, kops: KernelOps = TORCH_OPS, head_rows: int | None = None) -> None:
+        """``head_rows``: the LM head's vocabulary rows on this tensor-parallel rank (None: all of them;
+        a part is not tied to the embedding here: the loader ties it to the embedding's rows)."""
         super().__init__()
         self.config = cfg
         self.kops = kops
@@ -153,8 +155,8 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, kops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kops)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = Linear(cfg.hidden_size, head_rows or cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings and head_rows is None:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
 

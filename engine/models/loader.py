@@ -11,7 +11,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 from safetensors import safe_open
 
-from ..distributed.shard import Slice, local_config, weight_slice
+from ..distributed.shard import Slice, head_rows, local_config, weight_slice
 from .gguf_loader import iter_gguf_tensors, read_gguf_checkpoint
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, parse_model_config
@@ -109,16 +109,19 @@ def load_model(
     """Build on ``meta``, allocate once on ``device`` (uninitialised), then copy each tensor in.
     ``tensor_parallel`` (rank, size): that rank's share of the model, its slices of the weights."""
     rank, size = tensor_parallel
-    part = None
+    part, rows = None, None
     if size > 1:
         full = ckpt.config
         ckpt = ckpt._replace(config=local_config(full, size))
         part = functools.partial(weight_slice, cfg=full, rank=rank, size=size)
+        rows = head_rows(full, rank, size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config, kops)
+        model = LlamaForCausalLM(ckpt.config, kops, rows.length if rows is not None else None)
     model = model.to(dtype).to_empty(device=device)
-    if ckpt.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    if ckpt.config.tie_word_embeddings:  # the head is the embedding (this rank's rows of it)
+        embedding = model.embed_tokens.weight
+        model.lm_head.weight = embedding if rows is None else torch.nn.Parameter(
+            embedding.detach().narrow(0, rows.start, rows.length), requires_grad=False)
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in iter_weights(ckpt, dtype, part):

@@ -29,7 +29,7 @@ from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
 from .split_prefill import SplitPrefill
 from ..distributed.group import TpGroup
-from ..distributed.shard import local_config
+from ..distributed.shard import head_rows, local_config
 from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
 from ...kernels.attention.kv_cache import KVCache
 from ...kernels.op_set import kernel_ops
@@ -101,7 +101,9 @@ class ModelRunner:
         self.model = load_model(ckpt, self.dtype, self.device, self.max_context, progress, self.kernel_ops, tp)
         if self.tp is not None:
             for layer in self.model.decoder_layers():  # row parallel: the ranks' partial sums added up
-                layer.self_attn.o_proj.all_reduce = layer.mlp.down_proj.all_reduce = self.tp.all_reduce
+                layer.self_attn.o_proj.combine = layer.mlp.down_proj.combine = self.tp.all_reduce
+            if head_rows(ckpt.config, self.tp.rank, self.tp.size) is not None:  # vocabulary parallel
+                self.model.lm_head.combine = self.tp.all_gather
         self.gemv_report: dict[str, dict[str, float | bool]] = {}
         gemv = self.kernel_ops.gemv
         if gemv is not None and self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":

@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU over gloo, two ranks (this process and a worker it starts): greedy tokens
+"""Tensor parallelism on CPU over gloo, two ranks (this process and a worker it starts; each holds half
+the heads, MLP columns and LM head rows): greedy tokens
 equal one rank's and the transformers full-forward argmax loop on every tiny architecture (and on a
 GQA model with fewer KV heads than ranks, whose KV head is replicated), logits step by step within
 1e-4 of one rank's; page size 1, prefix-cache hits and preemption; each rank holds only its share of
@@ -66,6 +67,10 @@ def test_two_ranks_equal_one_and_transformers(tmp_path: Path, name: str) -> None
         assert local.num_kv_heads == max(mc.num_kv_heads // 2, 1) == two.runner.kv_cache.k[0].shape[1]
         qkv = two.runner.model.layers[0].self_attn.qkv_proj.weight
         assert qkv.shape[0] == (local.num_heads + 2 * local.num_kv_heads) * mc.head_dim
+        head, embedding = two.runner.model.lm_head.weight, two.runner.model.embed_tokens.weight
+        assert head.shape[0] == mc.vocab_size // 2 and embedding.shape[0] == mc.vocab_size  # the head by vocabulary
+        if mc.tie_word_embeddings:  # rank 0's head rows are the embedding's first half, not a copy
+            assert head.data_ptr() == embedding.data_ptr()
     finally:
         two.close()
 
@@ -196,6 +201,9 @@ def test_each_rank_reads_its_slice_of_a_tensor(tiny_model: Path) -> None:
         torch.testing.assert_close(part[q], full[q][rank * half:(rank + 1) * half], rtol=0, atol=0)
         torch.testing.assert_close(part[o], full[o][:, rank * half:(rank + 1) * half], rtol=0, atol=0)
         torch.testing.assert_close(part["model.norm.weight"], full["model.norm.weight"], rtol=0, atol=0)
+        rows = full["lm_head.weight"].shape[0] // 2  # the head by vocabulary rows
+        torch.testing.assert_close(part["lm_head.weight"], full["lm_head.weight"][rank * rows:(rank + 1) * rows],
+                                   rtol=0, atol=0)
 
 
 def test_an_idle_rank_waits_past_the_collective_timeout() -> None:
