@@ -20,6 +20,7 @@ from .group import TpGroup
 
 logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # the ranks of one engine share a host (a pod)
+WORKER = "modeserve.engine.distributed.worker"
 
 
 def _free_port() -> int:
@@ -30,22 +31,47 @@ def _free_port() -> int:
 
 class TpWorkers:
     def __init__(self, model: str, kwargs: dict[str, Any], size: int, device: torch.device,
-                 exit_on_loss: bool = True) -> None:
+                 exit_on_loss: bool = True, worker: str = WORKER) -> None:
         """``kwargs``: the engine arguments (JSON values). ``exit_on_loss``: a rank's death ends this
-        process (engine servers); False: it is logged and the next collective fails (tests)."""
+        process (engine servers); False: it is logged and the next collective fails (tests). ``worker``:
+        the module each other rank runs. A rank that exits before all have joined is a ``RuntimeError``
+        at once (not after the join's timeout)."""
         port = _free_port()
-        self.procs = [subprocess.Popen(python_argv("-m", "modeserve.engine.distributed.worker", json.dumps(
+        self.procs = [subprocess.Popen(python_argv("-m", worker, json.dumps(
             {"model": model, "kwargs": kwargs, "rank": rank, "host": HOST, "port": port})))
             for rank in range(1, size)]
         self._closing = False
         try:
-            self.group = TpGroup(0, size, HOST, port, device)
+            self.group = self._join(size, port, device)
         except BaseException:
             self._kill()
             raise
         for proc in self.procs:
             threading.Thread(target=self._watch, args=(proc, exit_on_loss), daemon=True,
                              name=f"tp-rank-watch-{proc.pid}").start()
+
+    def _join(self, size: int, port: int, device: torch.device) -> TpGroup:
+        """Rank 0's group, built while the other ranks join; refused as soon as one of them exits (the
+        join, on a daemon thread, stays blocked until its store times out)."""
+        done: list[TpGroup | BaseException] = []
+
+        def join() -> None:
+            try:
+                done.append(TpGroup(0, size, HOST, port, device))
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                done.append(exc)
+
+        thread = threading.Thread(target=join, daemon=True, name="tp-join")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            lost = [(rank, proc.returncode) for rank, proc in enumerate(self.procs, 1) if proc.poll() is not None]
+            if lost and thread.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {lost[0][0]} exited with {lost[0][1]} before the ranks "
+                                   "joined (its error is on stderr)")
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
 
     def _watch(self, proc: subprocess.Popen[bytes], exit_on_loss: bool) -> None:
         code = proc.wait()

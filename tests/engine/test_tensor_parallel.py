@@ -233,3 +233,14 @@ def test_an_idle_rank_waits_past_the_collective_timeout() -> None:
     assert tp.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
     t.join(10)
     assert got == [("launch", [1, 2]), [2.0, 2.0, 2.0]]
+
+
+def test_a_rank_that_fails_to_start_is_an_error_at_once(tiny_model: Path) -> None:
+    import time
+
+    from modeserve.engine.distributed.launch import TpWorkers
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with 1 before the ranks joined"):
+        TpWorkers(str(tiny_model), {}, 2, torch.device("cpu"), exit_on_loss=False, worker="modeserve.no_such_module")
+    assert time.monotonic() - start < 30  # not the join's 600 s timeout
