@@ -38,6 +38,9 @@ class RunnerConfig:
     dllm_mask_token_id: int | None = None
     # ranks (a process and a device each) one engine's model is split over; rank r uses cuda:r on CUDA
     tensor_parallel_size: int = 1
+    # CUDA: a split prefill's slices on a stream of their own, beside the decode steps that take turns
+    # with them (SchedulerConfig.enable_split_prefill), instead of after them
+    enable_split_prefill_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

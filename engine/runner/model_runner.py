@@ -27,6 +27,7 @@ from .draft_model import DraftModel
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
+from .side_stream import SideStream
 from .split_prefill import SplitPrefill
 from ..distributed.group import TpGroup
 from ..distributed.shard import head_rows, local_config
@@ -83,6 +84,8 @@ class ModelRunner:
         self._init_model(ckpt, progress)
         self._init_memory()
         self.split = SplitPrefill(ckpt.config.num_layers)
+        # a split prefill's slices beside the decode steps, on a stream of their own
+        self.side_stream = SideStream(self.device) if cfg.enable_split_prefill_overlap else None
         self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
                                                              SchedulerConfig.speculative_ngram_max)),
                                      self.kernel_ops.chain_verify_rows)
@@ -204,6 +207,19 @@ class ModelRunner:
         return self.tp.broadcast(next_ids) if self.tp is not None else next_ids
 
     def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        side = self.side_stream
+        if side is None:
+            return self._logits(batch)
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+            with side.slice():
+                logits = self._logits(batch)
+            return side.hand_over(logits)
+        side.before(batch)
+        logits = self._logits(batch)
+        side.after(batch)
+        return logits
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         batch.forward_mode.require_supported()
         self._check_model_kind(batch.forward_mode)
         self.split.release(batch.released_slots)

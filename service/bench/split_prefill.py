@@ -101,6 +101,9 @@ def settings(args: argparse.Namespace, chunk_sizes: list[int], split_budgets: li
                                                    "split_prefill_token_budget": b,
                                                    "split_prefill_min_tokens": split_min_tokens})
             for b in split_budgets]
+    if args.device.startswith("cuda"):  # the slices on a stream of their own, beside the decode steps
+        out += [Setting(f"split-{b}-overlap", "split_prefill", {**o.params, "enable_split_prefill_overlap": True})
+                for b, o in zip(split_budgets, out[-len(split_budgets):])]
     return out
 
 

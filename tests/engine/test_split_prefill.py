@@ -218,16 +218,19 @@ def test_preemption_in_the_middle_recomputes_the_prompt(tiny_llama_4: Path) -> N
 
 
 @pytest.mark.gpu
-def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path) -> None:
-    """On a GPU, in fp32 (the Triton backend): the decode steps between the slices replay their CUDA graphs,
-    and the outputs are those of split prefill off and of transformers."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path, overlap: bool) -> None:
+    """On a GPU, in fp32 (the Triton backend): the decode steps between the slices replay their CUDA graphs
+    (with ``overlap``, while the slices run on a stream of their own), and the outputs are those of split
+    prefill off and of transformers."""
     pytest.importorskip("triton")
     kwargs: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
                                   attention_backend="triton", max_running_requests=16)
     ref = load_reference(tiny_llama_4)
     want = [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT] + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
     assert mixed_workload(LLM(model=str(tiny_llama_4), **kwargs), SHORT, LONG) == want
-    llm = LLM(model=str(tiny_llama_4), **SPLIT, **kwargs)
+    llm = LLM(model=str(tiny_llama_4), enable_split_prefill_overlap=overlap, **SPLIT, **kwargs)
+    assert (llm.runner.side_stream is not None) == overlap
     assert mixed_workload(llm, SHORT, LONG) == want
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
     assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0 and llm.runner.split.held_slots == ()
@@ -237,7 +240,8 @@ def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: 
 def test_cuda_bf16_flashinfer_split_writes_the_kv_and_logits_of_one_extend(tmp_path: Path) -> None:
     """The serving default on a GPU (bf16, FlashInfer extends): slices of layers write the KV of one EXTEND
     and give its logits (the same kernels on the same rows), and a mixed workload with split prefill
-    replays the decode graphs between the slices and frees everything after."""
+    replays the decode graphs between the slices, with the slices on a stream of their own gives the
+    tokens of the slices taking turns, and frees everything after."""
     for module in ("flashinfer", "triton"):
         pytest.importorskip(module)
     folder = make_tiny_model("llama3", tmp_path / "m", num_hidden_layers=NUM_LAYERS, head_dim=64)  # FlashInfer: 64/128/256
@@ -252,9 +256,13 @@ def test_cuda_bf16_flashinfer_split_writes_the_kv_and_logits_of_one_extend(tmp_p
         torch.testing.assert_close(split.kv_cache.k[layer][written], one.kv_cache.k[layer][written], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(split.kv_cache.v[layer][written], one.kv_cache.v[layer][written], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-2 * float(want.abs().max()))
-    llm = LLM(model=str(folder), kv_cache_tokens=4096, max_running_requests=16, **SPLIT, **kwargs)
+    turns = LLM(model=str(folder), kv_cache_tokens=4096, max_running_requests=16, **SPLIT, **kwargs)
+    llm = LLM(model=str(folder), kv_cache_tokens=4096, max_running_requests=16, enable_split_prefill_overlap=True,
+              **SPLIT, **kwargs)
     outputs = mixed_workload(llm, SHORT, LONG)
     assert [len(o) for o in outputs] == [SHORT_TOKENS] * len(SHORT) + [NEW_TOKENS] * len(LONG)
+    # the same steps and kernels: the slices beside the decodes on their own stream change no token
+    assert outputs == mixed_workload(turns, SHORT, LONG)
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
     assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0
     assert llm.runner.split.held_slots == () and _idle(llm)
