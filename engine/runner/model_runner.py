@@ -31,7 +31,8 @@ from .side_stream import SideStream
 from .split_prefill import SplitPrefill
 from ..distributed.group import TpGroup
 from ..distributed.shard import head_rows, local_config
-from ...kernels.attention.base import AttentionInputs, create_attention_backend, resolve_backend_name
+from ...kernels.attention.base import (AttentionInputs, create_attention_backend, one_block_a_request,
+                                       resolve_backend_name)
 from ...kernels.attention.kv_cache import KVCache
 from ...kernels.op_set import kernel_ops
 
@@ -144,8 +145,8 @@ class ModelRunner:
         )
 
     @property
-    def _block_graph_max_bs(self) -> int:
-        """The largest DLLM_EXTEND graph bucket (a block of queries a request, as a verify step's k + 1)."""
+    def _many_queries_graph_max_bs(self) -> int:
+        """The largest bucket of graphs of several queries a request (TARGET_VERIFY's k + 1, a DLLM block)."""
         return min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests, VERIFY_GRAPH_MAX_BS)
 
     @property
@@ -153,7 +154,7 @@ class ModelRunner:
         """The largest TARGET_VERIFY (and draft DECODE) graph bucket; 0: none."""
         if self.device.type != "cuda" or self.cfg.disable_cuda_graph or not self.verify_queries:
             return 0
-        return min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests, VERIFY_GRAPH_MAX_BS)
+        return self._many_queries_graph_max_bs
 
     def _init_cuda_graphs(self, progress: Callable[[str], None] | None) -> None:
         self.graphs: CudaGraphRunner | None = None
@@ -170,7 +171,7 @@ class ModelRunner:
                         self.attention_backend_name)
             return
         if self.dllm is not None:  # no decode steps: DLLM_EXTEND steps of one block a request replay graphs
-            self.dllm_graphs = CudaGraphRunner(self.model, self.attn, self._block_graph_max_bs, self.device,
+            self.dllm_graphs = CudaGraphRunner(self.model, self.attn, self._many_queries_graph_max_bs, self.device,
                                                self.slots.req_to_token, progress, ForwardMode.DLLM_EXTEND,
                                                self.dllm.block_size)
             return
@@ -339,10 +340,10 @@ class ModelRunner:
         request carries k drafts, DLLM_EXTEND's when every request brings its current block alone."""
         if batch.forward_mode == ForwardMode.DLLM_EXTEND:  # each request's current block, sampled, alone
             graphs = self.dllm_graphs
-            if graphs is None or not ((batch.extend_lens == graphs.q).all() and batch.sample_mask.all()
-                                      and (batch.prefix_lens % graphs.q == 0).all()):
+            if graphs is None or not batch.sample_mask.all():
                 return None
-            return graphs
+            steady = one_block_a_request(batch.extend_lens.tolist(), batch.prefix_lens.tolist(), graphs.q)
+            return graphs if steady else None
         if batch.forward_mode != ForwardMode.TARGET_VERIFY:
             return self.graphs
         if self.verify_graphs is None or not (batch.extend_lens == self.verify_graphs.q).all():

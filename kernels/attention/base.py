@@ -6,6 +6,7 @@ import abc
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -16,6 +17,13 @@ from .kv_cache import KVCache
 
 # A draft model's catch-up (DRAFT_EXTEND) in a verify step: each request's last two tokens
 CATCH_UP_QUERIES = 2
+
+
+def one_block_a_request(extend_lens: Sequence[int], prefix_lens: Sequence[int], block: int) -> bool:
+    """A DLLM_EXTEND step in which each request brings its current block alone, from the block's start
+    (the step a decode kernel with whole-row queries takes, and its CUDA graphs replay)."""
+    return block > 0 and len(extend_lens) > 0 and all(e == block for e in extend_lens) and all(
+        p % block == 0 for p in prefix_lens)
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,9 @@ class AttentionInputs:
             return 0
         if self.forward_mode == ForwardMode.TARGET_VERIFY:
             return lens[0]
-        if self.forward_mode == ForwardMode.DLLM_EXTEND:  # each request's current block alone, from its start
+        if self.forward_mode == ForwardMode.DLLM_EXTEND:
             block = self.block_size
-            return block if lens[0] == block and all(p % block == 0 for p in self.prefix_lens_cpu) else 0
+            return block if one_block_a_request(lens, self.prefix_lens_cpu, block) else 0
         return CATCH_UP_QUERIES if self.forward_mode == ForwardMode.DRAFT_EXTEND and lens[0] == CATCH_UP_QUERIES else 0
 
     @property
