@@ -55,7 +55,7 @@ def _device_defaults(device: str) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runner_flags(p, shape=None, device="cpu")
-    p.set_defaults(attention_backend="torch")  # block-causal attention: the torch backend
+    p.set_defaults(attention_backend=None)  # dllm_backend(): block-causal attention runs on torch and triton
     cuda, cpu = _device_defaults("cuda"), _device_defaults("cpu")
     p.description = (f"--shape default: {cuda['shape']} on CUDA, {cpu['shape']} on CPU; its dimensions as an SDAR "
                      "model and as a Qwen3 one")
@@ -67,10 +67,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: the shape's mask_token_id, else its last token id")
     p.add_argument("--decode-attention-backend", default=None,
-                   help="the DECODE engine's attention backend (default: --attention-backend; on CUDA 'auto' "
-                        "times the serving decode path, CUDA graphs included)")
+                   help="the DECODE engine's attention backend (default: 'auto', the serving decode path, CUDA "
+                        "graphs included on CUDA; on CPU --attention-backend's)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 on a busy machine: idle threads spin otherwise)")
+
+
+def dllm_backend(args: argparse.Namespace) -> str:
+    """--attention-backend, else the backend whose DLLM_EXTEND steps replay CUDA graphs (triton) on CUDA, torch
+    on CPU."""
+    return args.attention_backend or ("triton" if args.device.startswith("cuda") else "torch")
+
+
+def decode_backend(args: argparse.Namespace) -> str:
+    """--decode-attention-backend, else the serving path on CUDA ('auto') and the DLLM engine's on CPU."""
+    if args.decode_attention_backend:
+        return str(args.decode_attention_backend)
+    return "auto" if args.device.startswith("cuda") else dllm_backend(args)
 
 
 def autoregressive_config(base: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +123,16 @@ def timed_steps(llm: Any, prompts: list[list[int]], new_tokens: int, warm_tokens
     unmasked = Counter(stats.dllm_unmasked)
     unmasked.subtract(unmasked0)
     return Timed(steps, {k: v for k, v in sorted(unmasked.items()) if v})
+
+
+def timed_after_warm_up(llm: Any, prompts: dict[int, list[list[int]]], new_tokens: int, warm_tokens: int,
+                        block: int) -> dict[int, Timed]:
+    """``timed_steps`` per batch size, each after an untimed run of one block past the first: the first
+    steps of a shape compile kernels and pick GEMM algorithms, which a median over a block's two commit
+    steps would otherwise count."""
+    for batch_prompts in prompts.values():
+        timed_steps(llm, batch_prompts, warm_tokens + block, warm_tokens)
+    return {b: timed_steps(llm, batch_prompts, new_tokens, warm_tokens) for b, batch_prompts in prompts.items()}
 
 
 def first_block_outputs(prompt_len: int, block: int) -> int:
@@ -190,20 +213,20 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             new = warm + block * args.blocks  # the first block (with the prompt's prefill), then the timed ones
             max_len = prompt_len + new + block
             folder = write_config_only(Path(tmp) / f"sdar-{block}", sdar_config(base, block, mask))
-            # DLLM_EXTEND has no CUDA graphs: capturing DECODE graphs would only cost time
-            llm = _engine(folder, args, max_batch, max_len, disable_cuda_graph=True, enable_piecewise_cuda_graph=False)
-            dllm = {b: timed_steps(llm, prompts[b], new, warm) for b in args.batch_sizes}
+            llm = _engine(folder, args, max_batch, max_len, attention_backend=dllm_backend(args),
+                          enable_piecewise_cuda_graph=False)
+            dllm = timed_after_warm_up(llm, prompts, new, warm, block)
             dtype, backend = str(llm.runner.dtype).removeprefix("torch."), llm.runner.attention_backend_name
+            dllm_graphs = llm.runner.dllm_graphs is not None
             del llm
             _release(device)
-            llm = _engine(ar_folder, args, max_batch, max_len,
-                          attention_backend=args.decode_attention_backend or args.attention_backend)
+            llm = _engine(ar_folder, args, max_batch, max_len, attention_backend=decode_backend(args))
             # the same context lengths: decode from the first block's end over as many tokens
-            decode = {b: timed_steps(llm, prompts[b], new, warm) for b in args.batch_sizes}
-            decode_backend, graphs = llm.runner.attention_backend_name, llm.runner.graphs is not None
+            decode = timed_after_warm_up(llm, prompts, new, warm, block)
+            ar_backend, graphs = llm.runner.attention_backend_name, llm.runner.graphs is not None
             del llm
             _release(device)
             for b in args.batch_sizes:
                 yield _row(block, b, dllm[b], decode[b],
-                           {**head, "dtype": dtype, "attention_backend": backend,
-                            "decode_attention_backend": decode_backend, "decode_cuda_graph": graphs})
+                           {**head, "dtype": dtype, "attention_backend": backend, "dllm_cuda_graph": dllm_graphs,
+                            "decode_attention_backend": ar_backend, "decode_cuda_graph": graphs})
