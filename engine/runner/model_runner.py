@@ -27,7 +27,7 @@ from .draft_model import DraftModel
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
-from .side_stream import SideStream
+from .side_stream import SideStream, runs_beside
 from .split_prefill import SplitPrefill
 from ..distributed.group import TpGroup
 from ..distributed.shard import head_rows, local_config
@@ -76,7 +76,9 @@ class ModelRunner:
         self.dtype = torch_dtype(cfg.torch_dtype_name)
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
                                ckpt.config.max_position_embeddings)
-        self._inputs_consumed: torch.cuda.Event | None = None
+        # per lane (a split's slices on the side stream, or not): when the device had the host buffers of
+        # the lane's last step
+        self._inputs_consumed: dict[bool, torch.cuda.Event] = {}
         self._graph_bucket: int | None = None  # the bucket the step being launched replays (None: eager)
         self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
         self._input_ids: torch.Tensor | None = None  # the eager step's input ids (on the device)
@@ -226,11 +228,7 @@ class ModelRunner:
         self.split.release(batch.released_slots)
         if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
             self.split.check(batch)  # before anything is recorded
-        if self._inputs_consumed is not None:
-            # the previous step's host buffers (attention plans reuse theirs) must have reached the
-            # device before they are written again; only waits if the device is more than a step behind
-            self._inputs_consumed.synchronize()
-            self._inputs_consumed = None
+        self._wait_inputs_consumed(batch)
         for adm in batch.admissions:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
@@ -257,7 +255,7 @@ class ModelRunner:
         inputs = self._record(batch, chained, rows, positions, out_cache_loc, input_ids, req_pool, seq_lens)
         input_ids = self._drafted(batch, input_ids, out_cache_loc, req_pool, rows, positions)
         self.attn.init_forward_metadata(inputs)
-        self._mark_inputs_consumed()
+        self._mark_inputs_consumed(batch)
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
         self._positions = positions
         pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
@@ -366,7 +364,7 @@ class ModelRunner:
         if drafted is not rows.input_ids:  # a decode step copies nothing
             rows.input_ids.copy_(drafted)
         self.attn.init_replay(inputs, bucket)
-        self._mark_inputs_consumed()
+        self._mark_inputs_consumed(batch)
         self._input_ids = rows.input_ids  # a verify step's drafts, which its acceptance reads
         self._positions = rows.positions
         if graphs.q == 1 and batch.sample_mask.all():
@@ -380,10 +378,24 @@ class ModelRunner:
         if bucket is not None:
             self._replay(batch, self.graphs, bucket)  # no rows: the upload writes padding only
 
-    def _mark_inputs_consumed(self) -> None:
+    def _on_side_stream(self, batch: ForwardBatch) -> bool:
+        return self.side_stream is not None and batch.forward_mode == ForwardMode.SPLIT_PREFILL
+
+    def _wait_inputs_consumed(self, batch: ForwardBatch) -> None:
+        """Earlier steps' host buffers (attention plans reuse theirs) must have reached the device before
+        they are written again; only waits if the device is more than a step behind. A decode step beside
+        the slices shares no buffer with them (the decode wrappers have their own): it waits for its lane
+        alone, not for a slice that waits for the slice before it."""
+        lanes = [False] if self.side_stream is not None and runs_beside(batch) else [False, True]
+        for lane in lanes:
+            event = self._inputs_consumed.pop(lane, None)
+            if event is not None:
+                event.synchronize()
+
+    def _mark_inputs_consumed(self, batch: ForwardBatch) -> None:
         if self.device.type == "cuda":
-            self._inputs_consumed = torch.cuda.Event()
-            self._inputs_consumed.record()
+            event = self._inputs_consumed[self._on_side_stream(batch)] = torch.cuda.Event()
+            event.record()
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
@@ -393,6 +405,12 @@ class ModelRunner:
         this one runs; its placeholders resolve from ``last_token``, written in stream order.
         """
         self._send("launch", batch)
+        if self.side_stream is None:
+            return self._launch(batch)
+        with self.side_stream.beside(batch):
+            return self._launch(batch)
+
+    def _launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
         logits = self._compute_logits(batch)  # [S, V]
         bucket = self._graph_bucket
         if logits.shape[0] == 0:

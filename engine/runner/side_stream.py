@@ -1,5 +1,7 @@
 """A second CUDA stream for a split prefill's slices (``enable_split_prefill_overlap``), so that the
-decode steps' graphs that take turns with them run on the main stream beside them instead of after.
+decode steps' graphs that take turns with them run beside them instead of after, on a stream of higher
+priority than the slices' (``beside``): the GPU gives freed SMs to a decode's kernels before a slice's next
+blocks, so a slice's large GEMMs do not hold a decode back by more than the blocks already running.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -21,19 +23,43 @@ from ..forward_mode import ForwardMode
 _BESIDE = (ForwardMode.DECODE, ForwardMode.IDLE)
 
 
+# CUDA stream priorities: lower is higher; 0 is the default streams' (the lowest)
+_DECODE_PRIORITY = -1
+
+
+def runs_beside(batch: ForwardBatch) -> bool:
+    """Whether ``batch`` may run beside a split's slices (it neither writes nor plans anything they read)."""
+    return batch.forward_mode in _BESIDE
+
+
 class SideStream:
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.decode_stream = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if cuda else None
         self._mark: torch.cuda.Event | None = None  # the main stream after its last step a slice may read
+
+    @contextlib.contextmanager
+    def beside(self, batch: ForwardBatch) -> Iterator[None]:
+        """A decode step's whole launch (inputs, layers, sampling, result copies) on the high-priority
+        stream, in order with the main stream on both sides; other steps as they are."""
+        if self.decode_stream is None or not runs_beside(batch):
+            yield
+            return
+        main = torch.cuda.current_stream()
+        self.decode_stream.wait_stream(main)
+        with torch.cuda.stream(self.decode_stream):
+            yield
+        main.wait_stream(self.decode_stream)
 
     def before(self, batch: ForwardBatch) -> None:
         """Before a main-stream step: wait for the slices where it may touch what they use."""
-        if self.stream is not None and (batch.forward_mode not in _BESIDE or batch.released_slots):
+        if self.stream is not None and (not runs_beside(batch) or batch.released_slots):
             torch.cuda.current_stream().wait_stream(self.stream)
 
     def after(self, batch: ForwardBatch) -> None:
         """After a main-stream step is queued: where the next slice starts from, unless it was a decode."""
-        if self.stream is not None and batch.forward_mode not in _BESIDE:
+        if self.stream is not None and not runs_beside(batch):
             self._mark = torch.cuda.current_stream().record_event()
 
     @contextlib.contextmanager

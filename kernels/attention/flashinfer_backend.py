@@ -89,7 +89,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             decode_tensor_cores = decode_uses_tensor_cores(num_heads // kv_cache.num_kv_heads)
         self._tensor_cores = decode_tensor_cores
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+        # decode steps (eager and graphs) may run beside a split prefill's slices on another stream
+        # (enable_split_prefill_overlap): their split-KV partials must not share the prefill wrappers' buffer
+        self._decode_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._decode_workspace, "NHD",
                                                                      use_tensor_cores=decode_tensor_cores)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
@@ -137,7 +140,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper: object
         if q == 1:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+                self._decode_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
                 paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
                 paged_kv_last_page_len_buffer=last_buf)
         else:
