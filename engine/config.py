@@ -93,10 +93,12 @@ class SchedulerConfig:
     speculative_ngram_max: int = 3  # the longest (tried first)
     # split prefill: while requests decode, a prompt of at least split_prefill_min_tokens (a chunk of
     # it with chunked prefill) runs max(1, split_prefill_token_budget // its tokens) layers a step, a
-    # SPLIT_PREFILL step after each decode step
+    # SPLIT_PREFILL step after each split_prefill_decode_steps decode steps (more than one: the decodes
+    # keep their pace while a slice runs beside them, RunnerConfig.enable_split_prefill_overlap)
     enable_split_prefill: bool = False
     split_prefill_token_budget: int = 65536  # tokens x layers a SPLIT_PREFILL step
     split_prefill_min_tokens: int = 4096  # shorter prompts prefill as EXTEND/MIXED steps
+    split_prefill_decode_steps: int = 1  # decode (or verify) steps between two slices
     # block diffusion (LowConfidence): a step unmasks every position whose probability is >= dllm_threshold,
     # at least the most confident one, and all that are left by the block's dllm_max_steps_per_block-th step
     # (None: the block size)
@@ -121,6 +123,8 @@ class SchedulerConfig:
             raise ValueError(f"split_prefill_token_budget must be >= 1, got {self.split_prefill_token_budget}")
         if self.split_prefill_min_tokens < 1:
             raise ValueError(f"split_prefill_min_tokens must be >= 1, got {self.split_prefill_min_tokens}")
+        if self.split_prefill_decode_steps < 1:
+            raise ValueError(f"split_prefill_decode_steps must be >= 1, got {self.split_prefill_decode_steps}")
         if not 0.0 <= self.dllm_threshold <= 1.0:
             raise ValueError(f"dllm_threshold must be in [0, 1], got {self.dllm_threshold}")
         if self.dllm_max_steps_per_block is not None and self.dllm_max_steps_per_block < 1:

@@ -109,7 +109,7 @@ class Scheduler:
         # per request, the drafts of each of its TARGET_VERIFY steps in flight (two: the second chained)
         self._verifying: dict[Req, list[int]] = {}
         self._split: _Split | None = None
-        self._slice_due = False  # the split's next slice comes before the next decode step
+        self._decodes_due = 0  # decode steps before the split's next slice
         self._after_slice = False  # the last step built was a slice (a split starting now waits a decode step)
         self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
         self.dllm = dllm_spec
@@ -231,22 +231,24 @@ class Scheduler:
         if items[0].length < self.cfg.split_prefill_min_tokens:
             return self._build(items, [])
         self._split = _Split(items[0])
-        self._slice_due = not self._after_slice  # the decoders between two splits' slices too
+        # the decoders' turns between two splits' slices too
+        self._decodes_due = self.cfg.split_prefill_decode_steps if self._after_slice else 0
         return self._split_turn(decodes, verifies)
 
     def _split_turn(self, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
-        """While a split prefill runs: a decode (or verify) step and the split's next slice by turns; the
-        slice's layers: ``split_prefill_token_budget`` // its tokens, all that are left with nothing decoding."""
+        """While a split prefill runs: ``split_prefill_decode_steps`` decode (or verify) steps and the split's
+        next slice by turns; the slice's layers: ``split_prefill_token_budget`` // its tokens, all that are
+        left with nothing decoding."""
         split = self._split
         assert split is not None
-        if not self._slice_due and (decodes or verifies):
-            self._slice_due = True
+        if self._decodes_due > 0 and (decodes or verifies):
+            self._decodes_due -= 1
             step = self._decode_step(decodes, verifies)
             if step is not None:
                 return step
             if self._split is None:  # the decode step's KV preempted the split
                 return self._schedule()
-        self._slice_due = False
+        self._decodes_due = self.cfg.split_prefill_decode_steps
         per = max(1, self.cfg.split_prefill_token_budget // split.item.length) if decodes or verifies else self.num_layers
         layers = LayerRange(split.next_layer, min(split.next_layer + per, self.num_layers))
         split.next_layer = layers.end

@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split_prefill_min_tokens (default: the config's, or the shortest prompt if that is shorter)")
     p.add_argument("--mixed-prefill-ratios", type=float, nargs="+", default=[SchedulerConfig.max_prefill_ratio, 0.9],
                    help="max_prefill_ratio of the MIXED settings")
+    p.add_argument("--overlap-decode-steps", type=int, nargs="+", default=[1, 3],
+                   help="CUDA: split_prefill_decode_steps of the settings whose slices run beside the decodes")
     p.add_argument("--num-decoders", type=int, default=32)
     p.add_argument("--decoder-prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
@@ -102,8 +104,9 @@ def settings(args: argparse.Namespace, chunk_sizes: list[int], split_budgets: li
                                                    "split_prefill_min_tokens": split_min_tokens})
             for b in split_budgets]
     if args.device.startswith("cuda"):  # the slices on a stream of their own, beside the decode steps
-        out += [Setting(f"split-{b}-overlap", "split_prefill", {**o.params, "enable_split_prefill_overlap": True})
-                for b, o in zip(split_budgets, out[-len(split_budgets):])]
+        out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else ""), "split_prefill",
+                        {**o.params, "enable_split_prefill_overlap": True, "split_prefill_decode_steps": d})
+                for b, o in zip(split_budgets, out[-len(split_budgets):]) for d in args.overlap_decode_steps]
     return out
 
 
@@ -120,7 +123,7 @@ def _max_window_steps(s: Setting, prompt_len: int, num_layers: int, num_decoders
     if s.mode == "mixed" and r < 1.0:  # a MIXED step's prefill share, as the scheduler caps it
         chunk = min(chunk, max(1, math.floor(r / (1.0 - r) * num_decoders)))
     slices = _split_slices(s.params["split_prefill_token_budget"], chunk, num_layers) if s.mode == "split_prefill" else 1
-    return math.ceil(prompt_len / chunk) * slices + 4
+    return math.ceil(prompt_len / chunk) * slices * s.params.get("split_prefill_decode_steps", 1) + 4
 
 
 def _sizes(args: argparse.Namespace, s: Setting, mc: ModelConfig, lens: list[int]) -> tuple[dict[str, Any], int]:

@@ -64,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "page16": dict(page_size=16),
     "prefix_hits": dict(page_size=4),  # the long prompts share a prefix with the short ones
     "chunked": dict(page_size=4, chunked_prefill_size=48),  # each 48-token chunk is split in turn
+    "three_decodes_a_slice": dict(page_size=4, split_prefill_decode_steps=3),
 }
 
 
@@ -268,15 +269,17 @@ def test_cuda_bf16_flashinfer_split_writes_the_kv_and_logits_of_one_extend(tmp_p
     assert llm.runner.split.held_slots == () and _idle(llm)
 
 
-def test_two_splits_in_a_row_keep_a_decode_step_between_slices() -> None:
-    """Two long prompts arriving together while a request decodes: every slice, the last of the first split
-    and the first of the second included, follows a decode step."""
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_two_splits_in_a_row_keep_the_decode_steps_between_slices(decode_steps: int) -> None:
+    """Two long prompts arriving together while a request decodes: the first slice at once, then every
+    slice, the last of the first split and the first of the second included, after
+    ``split_prefill_decode_steps`` decode steps."""
     from modeserve.engine.config import SchedulerConfig
     from modeserve.engine.forward_batch import ForwardResult
     from modeserve.engine.scheduler.scheduler import Scheduler
 
-    s = Scheduler(SchedulerConfig(**SPLIT), num_pages=256, page_size=4, max_context=256, vocab_size=384,
-                  eos_token_ids=(2,), num_layers=NUM_LAYERS)
+    s = Scheduler(SchedulerConfig(**SPLIT, split_prefill_decode_steps=decode_steps), num_pages=256, page_size=4,
+                  max_context=256, vocab_size=384, eos_token_ids=(2,), num_layers=NUM_LAYERS)
 
     def run() -> ForwardMode:
         step = s.schedule()
@@ -288,7 +291,15 @@ def test_two_splits_in_a_row_keep_a_decode_step_between_slices() -> None:
     run()
     for i, p in enumerate(LONG[:2]):
         s.add_request(s.make_request(f"long{i}", p, GREEDY))
-    modes = [run() for _ in range(20)]
+    modes = [run() for _ in range(2 * NUM_LAYERS * (decode_steps + 1))]
     splits = [i for i, m in enumerate(modes) if m == ForwardMode.SPLIT_PREFILL]
-    assert len(splits) == 2 * NUM_LAYERS
-    assert all(modes[i - 1] != ForwardMode.SPLIT_PREFILL for i in splits if i)
+    assert len(splits) == 2 * NUM_LAYERS and splits[0] == 0
+    assert {b - a for a, b in zip(splits, splits[1:])} == {decode_steps + 1}
+    assert {m for m in modes if m != ForwardMode.SPLIT_PREFILL} == {ForwardMode.DECODE}
+
+
+def test_split_prefill_decode_steps_below_one_is_refused() -> None:
+    from modeserve.engine.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="split_prefill_decode_steps must be >= 1"):
+        SchedulerConfig(split_prefill_decode_steps=0)
