@@ -26,8 +26,9 @@ class RunnerConfig:
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights of its config.json
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay captured graphs
-    # EXTEND/MIXED steps of up to piecewise_cuda_graph_max_tokens tokens replay the model in pieces
-    # captured between its attention calls (CUDA only)
+    # EXTEND/MIXED steps (and DLLM_EXTEND steps its own graphs do not take) of up to
+    # piecewise_cuda_graph_max_tokens tokens replay the model in pieces captured between its attention
+    # calls (CUDA only)
     enable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int = 2048
     # speculative_algorithm "draft": the draft model (HF folder or .gguf) that runs beside the target

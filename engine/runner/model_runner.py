@@ -50,6 +50,9 @@ def kv_cache_slots(cfg: RunnerConfig, bytes_per_token: int, max_context: int) ->
     return (pages + 1) * cfg.page_size
 
 
+# the modes whose eager steps may replay piecewise graphs (attention eager between the pieces): the
+# prefills, and a block-diffusion step its DLLM_EXTEND graphs do not take (prompt blocks, a committed block)
+_PIECEWISE_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DLLM_EXTEND)
 VERIFY_GRAPH_MAX_BS = 64  # TARGET_VERIFY (and draft DECODE) graphs: speculation pays at small batches
 
 
@@ -258,7 +261,7 @@ class ModelRunner:
         self._mark_inputs_consumed(batch)
         self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
         self._positions = positions
-        pieces = self.piecewise if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) else None
+        pieces = self.piecewise if batch.forward_mode in _PIECEWISE_MODES else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
         hidden: torch.Tensor | None
         if batch.forward_mode == ForwardMode.SPLIT_PREFILL:  # None before the last slice

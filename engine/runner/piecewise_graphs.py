@@ -1,5 +1,6 @@
-"""Piecewise CUDA graphs for EXTEND and MIXED steps: the model captured in pieces between its
-attention calls, one set of pieces per token-count bucket, all sharing one memory pool.
+"""Piecewise CUDA graphs for EXTEND and MIXED steps (and the DLLM_EXTEND steps that its own graphs do not
+take): the model captured in pieces between its attention calls, one set of pieces per token-count
+bucket, all sharing one memory pool.
 
 An eager prefill of a few hundred tokens launches every op from Python, and on a fast GPU the
 launches take longer than the kernels. Attention cannot be captured once for all EXTEND batches

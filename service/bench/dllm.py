@@ -213,11 +213,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             new = warm + block * args.blocks  # the first block (with the prompt's prefill), then the timed ones
             max_len = prompt_len + new + block
             folder = write_config_only(Path(tmp) / f"sdar-{block}", sdar_config(base, block, mask))
+            # the steps its DLLM_EXTEND graphs do not take (prompts, a committed block beside the next) in pieces
             llm = _engine(folder, args, max_batch, max_len, attention_backend=dllm_backend(args),
-                          enable_piecewise_cuda_graph=False)
+                          enable_piecewise_cuda_graph=device.type == "cuda",
+                          piecewise_cuda_graph_max_tokens=2 * max_batch * block)
             dllm = timed_after_warm_up(llm, prompts, new, warm, block)
             dtype, backend = str(llm.runner.dtype).removeprefix("torch."), llm.runner.attention_backend_name
-            dllm_graphs = llm.runner.dllm_graphs is not None
+            dllm_graphs, dllm_pieces = llm.runner.dllm_graphs is not None, llm.runner.piecewise is not None
             del llm
             _release(device)
             llm = _engine(ar_folder, args, max_batch, max_len, attention_backend=decode_backend(args))
@@ -229,4 +231,5 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             for b in args.batch_sizes:
                 yield _row(block, b, dllm[b], decode[b],
                            {**head, "dtype": dtype, "attention_backend": backend, "dllm_cuda_graph": dllm_graphs,
+                            "dllm_piecewise_cuda_graph": dllm_pieces,
                             "decode_attention_backend": ar_backend, "decode_cuda_graph": graphs})

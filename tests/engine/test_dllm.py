@@ -198,21 +198,38 @@ def test_metrics_histogram_of_tokens_committed_per_step(tmp_path: Path) -> None:
     assert 'modeserve_forward_steps_total{dp_rank="0",mode="DLLM_EXTEND"}' in text
 
 
+def test_the_steps_graphs_do_not_take_run_in_pieces(sdar: tuple[Path, torch.nn.Module, int]) -> None:
+    """The prompt blocks and a committed block beside the next go through the model in pieces (the piecewise
+    graphs' split, run directly on CPU) with block-causal attention between them: the reference's tokens."""
+    from modeserve.engine.runner.piecewise_graphs import PiecewiseExtend
+
+    folder, ref, block = sdar
+    new, prompts = (12, PROMPTS) if block == 4 else (34, PROMPTS[:4])
+    llm = LLM(model=str(folder), page_size=16, **BASE)
+    runner = llm.runner
+    pieces = runner.piecewise = PiecewiseExtend(runner.model, runner.attn, 512, runner.device, runner.dtype,
+                                                capture=False)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=greedy(new))]
+    assert got == [reference(ref, p, block, new, 0.95) for p in prompts]
+    assert sum(pieces.hits.values()) == llm.stats()["mode_distribution"]["DLLM_EXTEND"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [4, 32])
 def test_fp32_cuda_equals_the_reference(tmp_path: Path, block: int) -> None:
     """On a GPU in fp32 (the Triton kernels: extend block-causal, decode with whole-row queries), the
-    steps of one block a request replaying their CUDA graphs: the reference's tokens, and an eager
-    engine's tokens and confidences step by step."""
+    steps of one block a request replaying their CUDA graphs and the others piecewise graphs: the
+    reference's tokens, and an eager engine's tokens and confidences step by step."""
     folder, ref = make_sdar(tmp_path / "sdar", block)
     new = 12 if block == 4 else 40
     kw: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
                               attention_backend="triton")
-    llm = LLM(model=str(folder), **kw)
+    llm = LLM(model=str(folder), enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512, **kw)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(new))]
     assert got == [reference(ref, p, block, new, 0.95) for p in PROMPTS]
-    graphs = llm.runner.dllm_graphs
+    graphs, pieces = llm.runner.dllm_graphs, llm.runner.piecewise
     assert graphs is not None and graphs.hits["DLLM_EXTEND"] > 0 and llm.runner.graphs is None
+    assert pieces is not None and sum(pieces.hits.values()) > 0
     eager = LLM(model=str(folder), disable_cuda_graph=True, **kw)
     for engine in (llm, eager):
         for p in PROMPTS[:4]:
