@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from . import chain_verify, ops, sampling
+from . import accept, chain_verify, ops, sampling
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -25,6 +25,7 @@ class KernelOps:
     argmax: Callable[..., torch.Tensor]  # (x, into=None, at=None)
     record_tokens: Callable[..., None]
     chain_verify_rows: Callable[..., None]  # chained TARGET_VERIFY rows resolved (kernels.chain_verify)
+    accept_runs: Callable[..., torch.Tensor]  # a verify step's greedy acceptance (kernels.accept)
     sample_sorted: sampling.SampleSorted  # the sampling step after the sort: filters + seeded Gumbel-max
     # one-row linear layers: a GEMV kernel, and how to time it against cuBLAS (None: always cuBLAS)
     gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
@@ -35,7 +36,7 @@ class KernelOps:
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
                       ops.apply_rotary_and_store_kv, ops.argmax, ops.record_tokens, chain_verify.chain_verify_rows,
-                      sampling.sample_sorted)
+                      accept.accept_runs, sampling.sample_sorted)
 
 
 def resolve_kernel_backend(name: str, device: torch.device) -> str:
@@ -52,6 +53,7 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
         return TORCH_OPS
     # Triton only when chosen: it may be absent, and a CPU engine must not pay for importing it
     from .triton import ops as triton_ops
+    from .triton.accept import accept_runs
     from .triton.argmax import argmax
     from .triton.chain_verify import chain_verify_rows
     from .triton.gemv import gemv, gemv_add_rms_norm, gemv_keeps_up
@@ -61,4 +63,4 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens, chain_verify_rows,
-                     sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm)
+                     accept_runs, sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm)

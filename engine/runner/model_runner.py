@@ -20,7 +20,7 @@ from ..forward_mode import ForwardMode
 from ..models.dllm_spec import DllmSpec
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
-from . import sampler, spec_accept
+from . import sampler
 from .chained_verify import ChainedVerify, chained_rows, host_prefix_lens
 from .cuda_graph_runner import CudaGraphRunner
 from .draft_model import DraftModel
@@ -485,14 +485,13 @@ class ModelRunner:
         the target's token before them: for one-hot drafts, rejection sampling exactly). The
         request's last kept token goes to ``last_token``."""
         starts = np.cumsum(batch.extend_lens) - batch.extend_lens
-        runs, starts_dev, slots = upload([np.repeat(np.arange(batch.batch_size), batch.extend_lens), starts,
-                                          batch.req_pool_indices], self.device)
-        assert self._input_ids is not None  # the verify step's tokens, drafts included
-        accepted = spec_accept.accepted_in_runs(next_ids, self._input_ids, runs, starts_dev)
-        self.slots.last_token[slots] = next_ids[starts_dev + accepted]
-        assert self._positions is not None
-        # the drafts kept and the target's token after them: where a chained next step starts
-        self.slots.fill_len[slots] = self._positions[starts_dev] + accepted + 2
+        starts_dev, lens, slots = upload([starts, batch.extend_lens, batch.req_pool_indices], self.device)
+        assert self._input_ids is not None and self._positions is not None  # the step's tokens, drafts included
+        # the drafts kept; the target's token after them into last_token, where a chained next step starts
+        # into fill_len
+        accepted = self.kernel_ops.accept_runs(next_ids, self._input_ids, self._positions, starts_dev, lens, slots,
+                                               self.slots.last_token, self.slots.fill_len,
+                                               int(batch.extend_lens.max()))
         bucket = self._graph_bucket
 
         def build(h: list[np.ndarray]) -> ForwardResult:

@@ -35,21 +35,6 @@ def accepted_lengths(kept: Tensor) -> Tensor:
     return kept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def accepted_in_runs(sampled: Tensor, input_ids: Tensor, runs: Tensor, starts: Tensor) -> Tensor:
-    """A verify step's acceptance over its flat tokens: request r's run of tokens (its last token, then
-    its drafts) starts at ``starts[r]``; ``runs`` [T] is each token's request; ``sampled`` [T] the
-    target's token after each. Draft j of a run is kept while every draft up to it equals the target's
-    token before it -> [B] int64, the drafts kept."""
-    t = sampled.shape[0]
-    idx = torch.arange(t, device=sampled.device)
-    same_run = torch.zeros(t, dtype=torch.bool, device=sampled.device)
-    same_run[:-1] = runs[1:] == runs[:-1]
-    confirms = torch.zeros_like(same_run)
-    confirms[:-1] = sampled[:-1] == input_ids[1:]
-    first_miss = torch.full_like(starts, t).scatter_reduce(0, runs, torch.where(same_run & confirms, t, idx), "amin")
-    return first_miss - starts
-
-
 def accept_greedy(draft_ids: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """draft_ids [B, k] int64, target_logits [B, k + 1, V] -> (accepted [B], tokens [B, k + 1])."""
     tokens = target_logits.argmax(dim=-1)

@@ -8,6 +8,8 @@ equals it); drafts are accepted and their KV comes back; a bad draft model is re
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Any
 
@@ -202,18 +204,20 @@ def chi_square_p(a: list[int], b: list[int], vocab: int) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def accept_every_draft(sampled: torch.Tensor, input_ids: torch.Tensor, runs: torch.Tensor,
-                       starts: torch.Tensor) -> torch.Tensor:
+def accept_every_draft(sampled: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                       lens: torch.Tensor, slots: torch.Tensor, last_token: torch.Tensor, fill_len: torch.Tensor,
+                       max_len: int) -> torch.Tensor:
     """A wrong acceptance rule: every draft kept (and emitted), whatever the target says."""
-    same_run = runs[1:] == runs[:-1]
-    sampled[:-1] = torch.where(same_run, input_ids[1:], sampled[:-1])
-    return torch.bincount(runs, minlength=starts.shape[0]) - 1
+    from modeserve.kernels.accept import accept_runs
+
+    runs = torch.repeat_interleave(torch.arange(starts.shape[0]), lens, output_size=sampled.shape[0])
+    sampled[:-1] = torch.where(runs[1:] == runs[:-1], input_ids[1:], sampled[:-1])
+    return accept_runs(sampled, input_ids, positions, starts, lens, slots, last_token, fill_len, max_len)
 
 
 @pytest.mark.parametrize("rule, algorithm", [("exact", "ngram"), ("accept_every_draft", "ngram"),
                                              ("exact", "draft"), ("accept_every_draft", "draft")])
-def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        rule: str, algorithm: str) -> None:
+def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, rule: str, algorithm: str) -> None:
     """A 16-token vocabulary, temperature 1, 400 seeds: the tokens sampled with drafts (n-gram, or
     the model drafting for itself) and without are one distribution (chi-square, alpha = 0.01); a wrong acceptance rule is caught."""
     vocab = 16
@@ -222,10 +226,9 @@ def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, monkeypa
     reqs = 400
     sps = [SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=s) for s in range(reqs)]
     plain = LLM(model=str(folder), **BASE).generate(prompt_token_ids=[prompt] * reqs, sampling_params=sps)
-    if rule != "exact":
-        from modeserve.engine.runner import spec_accept
-        monkeypatch.setattr(spec_accept, "accepted_in_runs", accept_every_draft)
     llm = spec_llm(folder, algorithm)
+    if rule != "exact":
+        llm.runner.kernel_ops = dataclasses.replace(llm.runner.kernel_ops, accept_runs=accept_every_draft)
     spec = llm.generate(prompt_token_ids=[prompt] * reqs, sampling_params=sps)
     assert llm.stats()["speculative"]["draft_tokens"] > reqs
     p = chi_square_p([t for o in plain for t in o.token_ids], [t for o in spec for t in o.token_ids], vocab)
