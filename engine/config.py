@@ -42,6 +42,9 @@ class RunnerConfig:
     # CUDA: a split prefill's slices on a stream of their own, beside the decode steps that take turns
     # with them (SchedulerConfig.enable_split_prefill), instead of after them
     enable_split_prefill_overlap: bool = False
+    # > 0: those slices run on this many of the GPU's SMs (a CUDA green context), the rest kept for the
+    # decode steps' kernels; 0: no partition
+    split_prefill_overlap_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -66,6 +69,10 @@ class RunnerConfig:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
         if self.max_context_len is not None and self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        if self.split_prefill_overlap_sms < 0:
+            raise ValueError(f"split_prefill_overlap_sms must be >= 0, got {self.split_prefill_overlap_sms}")
+        if self.split_prefill_overlap_sms and not self.enable_split_prefill_overlap:
+            raise ValueError("split_prefill_overlap_sms partitions the SMs for enable_split_prefill_overlap: turn it on")
         if self.dllm_block_size is not None and self.dllm_block_size < 1:
             raise ValueError(f"dllm_block_size must be >= 1, got {self.dllm_block_size}")
 

@@ -91,7 +91,8 @@ class ModelRunner:
         self._init_memory()
         self.split = SplitPrefill(ckpt.config.num_layers)
         # a split prefill's slices beside the decode steps, on a stream of their own
-        self.side_stream = SideStream(self.device) if cfg.enable_split_prefill_overlap else None
+        self.side_stream = (SideStream(self.device, cfg.split_prefill_overlap_sms)
+                            if cfg.enable_split_prefill_overlap else None)
         self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
                                                              SchedulerConfig.speculative_ngram_max)),
                                      self.kernel_ops.chain_verify_rows)

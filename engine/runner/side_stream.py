@@ -2,6 +2,8 @@
 decode steps' graphs that take turns with them run beside them instead of after, on a stream of higher
 priority than the slices' (``beside``): the GPU gives freed SMs to a decode's kernels before a slice's next
 blocks, so a slice's large GEMMs do not hold a decode back by more than the blocks already running.
+With ``split_prefill_overlap_sms`` the slices' stream belongs to a green context of that many SMs: kernels
+that keep every SM they are given (persistent GEMMs) then leave the others to the decodes.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -32,10 +34,32 @@ def runs_beside(batch: ForwardBatch) -> bool:
     return batch.forward_mode in _BESIDE
 
 
+def partitioned_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream]:
+    """A stream whose kernels run on ``num_sms`` of ``device``'s SMs (a CUDA green context), and the
+    context, which must outlive it."""
+    from torch.cuda import green_contexts
+
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 < num_sms < total:
+        raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
+    if not green_contexts.SUPPORTED:
+        raise ValueError("split_prefill_overlap_sms needs CUDA green contexts, which this torch build lacks")
+    context = green_contexts.GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
+    if not hasattr(context, "Stream"):
+        raise ValueError("split_prefill_overlap_sms needs torch's GreenContext.Stream (a newer torch)")
+    return context, context.Stream()
+
+
 class SideStream:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_sms: int = 0) -> None:
+        """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any."""
         cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._context: object | None = None  # the green context of a partitioned side stream
+        self.stream: torch.cuda.Stream | None
+        if cuda and num_sms:
+            self._context, self.stream = partitioned_stream(device, num_sms)
+        else:
+            self.stream = torch.cuda.Stream(device) if cuda else None
         self.decode_stream = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if cuda else None
         self._mark: torch.cuda.Event | None = None  # the main stream after its last step a slice may read
 

@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_prefill_ratio of the MIXED settings")
     p.add_argument("--overlap-decode-steps", type=int, nargs="+", default=[1, 3],
                    help="CUDA: split_prefill_decode_steps of the settings whose slices run beside the decodes")
+    p.add_argument("--overlap-sms", type=int, nargs="+", default=[0],
+                   help="CUDA: split_prefill_overlap_sms of those settings (0: the slices on every SM)")
     p.add_argument("--num-decoders", type=int, default=32)
     p.add_argument("--decoder-prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
@@ -104,9 +106,11 @@ def settings(args: argparse.Namespace, chunk_sizes: list[int], split_budgets: li
                                                    "split_prefill_min_tokens": split_min_tokens})
             for b in split_budgets]
     if args.device.startswith("cuda"):  # the slices on a stream of their own, beside the decode steps
-        out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else ""), "split_prefill",
-                        {**o.params, "enable_split_prefill_overlap": True, "split_prefill_decode_steps": d})
-                for b, o in zip(split_budgets, out[-len(split_budgets):]) for d in args.overlap_decode_steps]
+        out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else "") + (f"-sm{n}" if n else ""), "split_prefill",
+                        {**o.params, "enable_split_prefill_overlap": True, "split_prefill_decode_steps": d,
+                         "split_prefill_overlap_sms": n})
+                for b, o in zip(split_budgets, out[-len(split_budgets):]) for d in args.overlap_decode_steps
+                for n in args.overlap_sms]
     return out
 
 

@@ -218,19 +218,28 @@ def test_preemption_in_the_middle_recomputes_the_prompt(tiny_llama_4: Path) -> N
     assert _idle(llm) and llm.runner.split.held_slots == ()
 
 
+OVERLAP: dict[str, dict[str, Any]] = {
+    "turns": {},
+    "beside": dict(enable_split_prefill_overlap=True),
+    "beside_three_decodes": dict(enable_split_prefill_overlap=True, split_prefill_decode_steps=3),
+    "beside_on_16_sms": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path, overlap: bool) -> None:
+@pytest.mark.parametrize("setting", sorted(OVERLAP))
+def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: Path, setting: str) -> None:
     """On a GPU, in fp32 (the Triton backend): the decode steps between the slices replay their CUDA graphs
-    (with ``overlap``, while the slices run on a stream of their own), and the outputs are those of split
-    prefill off and of transformers."""
+    (beside: while the slices run on a stream of their own, on a partition of the SMs or not), and the outputs
+    are those of split prefill off and of transformers."""
     pytest.importorskip("triton")
+    overlap = bool(OVERLAP[setting])
     kwargs: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
                                   attention_backend="triton", max_running_requests=16)
     ref = load_reference(tiny_llama_4)
     want = [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT] + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
     assert mixed_workload(LLM(model=str(tiny_llama_4), **kwargs), SHORT, LONG) == want
-    llm = LLM(model=str(tiny_llama_4), enable_split_prefill_overlap=overlap, **SPLIT, **kwargs)
+    llm = LLM(model=str(tiny_llama_4), **OVERLAP[setting], **SPLIT, **kwargs)
     assert (llm.runner.side_stream is not None) == overlap
     assert mixed_workload(llm, SHORT, LONG) == want
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
@@ -298,8 +307,12 @@ def test_two_splits_in_a_row_keep_the_decode_steps_between_slices(decode_steps: 
     assert {m for m in modes if m != ForwardMode.SPLIT_PREFILL} == {ForwardMode.DECODE}
 
 
-def test_split_prefill_decode_steps_below_one_is_refused() -> None:
-    from modeserve.engine.config import SchedulerConfig
+def test_split_prefill_settings_out_of_range_are_refused() -> None:
+    from modeserve.engine.config import RunnerConfig, SchedulerConfig
 
     with pytest.raises(ValueError, match="split_prefill_decode_steps must be >= 1"):
         SchedulerConfig(split_prefill_decode_steps=0)
+    with pytest.raises(ValueError, match="split_prefill_overlap_sms must be >= 0"):
+        RunnerConfig(enable_split_prefill_overlap=True, split_prefill_overlap_sms=-1)
+    with pytest.raises(ValueError, match="turn it on"):
+        RunnerConfig(split_prefill_overlap_sms=64)
