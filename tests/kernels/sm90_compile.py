@@ -78,9 +78,8 @@ class Recorder:
 
 def _calls() -> None:
     """One call of each kernel wrapper per variant that compiles differently."""
-    from modeserve.kernels.triton import (activation, argmax, attention_decode, attention_extend, chain_verify, gemv,
-                                          norm, rotary,
-                                          sampling, slots)
+    from modeserve.kernels.triton import (accept, activation, argmax, attention_decode, attention_extend, chain_verify,
+                                          gemv, norm, rotary, sampling, slots)
 
     bf = torch.bfloat16
     d, hq, hkv, slots_n = 128, 8, 2, 64
@@ -105,6 +104,7 @@ def _calls() -> None:
     for n_range in ((1, 3), (2, 2)):
         chain_verify.chain_verify_rows(table, torch.zeros(4, 32, dtype=torch.int64), i64(4), i64(4), i64(1), i64(1),
                                        torch.zeros(1, 5, dtype=torch.int64), i64(5), i64(1), i64(5), i64(5), 32, *n_range)
+    accept.accept_runs(i64(5), i64(5), i64(5), i64(1), torch.full((1,), 5, dtype=torch.int64), i64(1), i64(4), i64(4), 5)
     cos_sin = torch.randn(64, d, dtype=torch.float32)
     q, k, v = torch.randn(3, hq, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf), torch.randn(3, hkv, d, dtype=bf)
     kc, vc = torch.zeros(slots_n, hkv, d, dtype=bf), torch.zeros(slots_n, hkv, d, dtype=bf)
