@@ -218,18 +218,17 @@ def test_the_steps_graphs_do_not_take_run_in_pieces(sdar: tuple[Path, torch.nn.M
 @pytest.mark.parametrize("block", [4, 32])
 def test_fp32_cuda_equals_the_reference(tmp_path: Path, block: int) -> None:
     """On a GPU in fp32 (the Triton kernels: extend block-causal, decode with whole-row queries), the
-    steps of one block a request replaying their CUDA graphs and the others piecewise graphs: the
-    reference's tokens, and an eager engine's tokens and confidences step by step."""
+    steps of one block a request replaying their CUDA graphs: the reference's tokens, and an eager
+    engine's tokens and confidences step by step."""
     folder, ref = make_sdar(tmp_path / "sdar", block)
     new = 12 if block == 4 else 40
     kw: dict[str, Any] = dict(device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
                               attention_backend="triton")
-    llm = LLM(model=str(folder), enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512, **kw)
+    llm = LLM(model=str(folder), **kw)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(new))]
     assert got == [reference(ref, p, block, new, 0.95) for p in PROMPTS]
-    graphs, pieces = llm.runner.dllm_graphs, llm.runner.piecewise
+    graphs = llm.runner.dllm_graphs
     assert graphs is not None and graphs.hits["DLLM_EXTEND"] > 0 and llm.runner.graphs is None
-    assert pieces is not None and sum(pieces.hits.values()) > 0
     eager = LLM(model=str(folder), disable_cuda_graph=True, **kw)
     for engine in (llm, eager):
         for p in PROMPTS[:4]:
@@ -244,3 +243,20 @@ def test_fp32_cuda_equals_the_reference(tmp_path: Path, block: int) -> None:
         llm.scheduler.process_result(a, ra)
         eager.scheduler.process_result(b, rb)
     assert graphs.hits["DLLM_EXTEND"] > replays and eager.runner.dllm_graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [4, 32])
+def test_fp32_cuda_pieces_equal_the_reference(tmp_path: Path, block: int) -> None:
+    """With piecewise graphs on a GPU in fp32, the steps the DLLM_EXTEND graphs do not take (prompt blocks,
+    a committed block beside the next) replay the pieces, block-causal attention between them: the
+    reference's tokens."""
+    folder, ref = make_sdar(tmp_path / "sdar", block)
+    new = 12 if block == 4 else 40
+    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, kv_cache_tokens=4096,
+              attention_backend="triton", enable_piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=512)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(new))]
+    assert got == [reference(ref, p, block, new, 0.95) for p in PROMPTS]
+    graphs, pieces = llm.runner.dllm_graphs, llm.runner.piecewise
+    assert graphs is not None and graphs.hits["DLLM_EXTEND"] > 0
+    assert pieces is not None and sum(pieces.hits.values()) > 0
