@@ -4,8 +4,9 @@ for each k, in one engine. Every verifying request carries exactly k drafts (a f
 in place of prompt lookup, so the step's shape is the one measured whatever the model says); random
 weights reject them, so each step emits one token and the context grows as a decode's does.
 
-The step time is wall time over the steps of a run, host work included (a verify step is not
-overlapped with the next). Verify steps replay CUDA graphs of their k (captured anew for each k). From the costs: the batch-1 tok/s that an acceptance length of 3 (two
+The step time is wall time over the steps of a run, host work included; with overlap a request's next
+verify step is built while its last one runs (chained rows, drafted on the device), as in serving.
+Verify steps replay CUDA graphs of their k (captured anew for each k). From the costs: the batch-1 tok/s that an acceptance length of 3 (two
 drafts kept, then the target's token) would give at each k, against plain decoding's."""
 
 from __future__ import annotations
