@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sched, dtype = llm.scheduler, str(llm.runner.dtype).removeprefix("torch.")
     sched.drafter = None
     step_ms(llm, [prompt], 8)  # warm
-    decode_ms, _ = step_ms(llm, [prompt], args.output_len)
+    decode_ms, _, _ = step_ms(llm, [prompt], args.output_len)
     sched.drafter = FixedDrafter(sched.cfg, sched.max_context)
     step_ms(llm, [prompt], 4)
-    verify_ms, _ = step_ms(llm, [prompt], args.output_len)
+    verify_ms, _, _ = step_ms(llm, [prompt], args.output_len)
     _free(llm)
     rows = []
     for draft in args.drafts:

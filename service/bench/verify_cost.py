@@ -23,6 +23,7 @@ from ...engine.request import Req
 from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.speculative import NgramDrafter
 from .batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
+from .host_phases import run_timed
 from .limits import device_name, sync
 from .profile import profile_steps
 
@@ -37,11 +38,12 @@ class FixedDrafter(NgramDrafter):
 
 
 def step_ms(llm: Any, prompts: list[list[int]], steps: int,
-            profile: list[dict[str, Any]] | None = None) -> tuple[float, float]:
+            profile: list[dict[str, Any]] | None = None) -> tuple[float, float, dict[str, float]]:
     """Mean wall ms of the steps until each of ``prompts`` has ``steps`` more tokens (the device synced at
-    both ends; the loop times a step from its launch, which leaves an eager step's launch out), and the
-    drafts a verify step carried per request. Given ``profile``, those steps run under ``torch.profiler``
-    and their device time by kernel is appended to it."""
+    both ends; the loop times a step from its launch, which leaves an eager step's launch out), the
+    drafts a verify step carried per request, and the host's µs a step by phase (``host_phases``; not
+    under ``profile``). Given ``profile``, those steps run under ``torch.profiler`` and their device time
+    by kernel is appended to it."""
     k = llm.scheduler.drafter.k if llm.scheduler.drafter is not None else 0
     # room for k drafts to the end of the timed steps; the rest aborted
     reqs = add_batch(llm, prompts, SamplingParams(temperature=0.0, max_new_tokens=steps + k + 2, ignore_eos=True))
@@ -51,16 +53,17 @@ def step_ms(llm: Any, prompts: list[list[int]], steps: int,
     n0, d0, v0 = sum(counts.values()), stats.spec_draft_tokens, stats.mode_requests["TARGET_VERIFY"]
     sync(llm.runner.device)
     start = time.perf_counter()
-    run = lambda: llm.run_until(lambda: all(len(r.output_ids) > steps for r in reqs))  # noqa: E731
+    until = lambda: all(len(r.output_ids) > steps for r in reqs)  # noqa: E731
+    phases: dict[str, float] = {}
     if profile is None:
-        run()
+        phases = run_timed(llm, until).per_step_us()
     else:
-        profile.append(profile_steps(llm, run))
+        profile.append(profile_steps(llm, lambda: llm.run_until(until)))
     sync(llm.runner.device)
     for r in reqs:
         llm.abort(r.rid)
     ms = (time.perf_counter() - start) * 1e3 / max(sum(counts.values()) - n0, 1)
-    return ms, (stats.spec_draft_tokens - d0) / max(stats.mode_requests["TARGET_VERIFY"] - v0, 1)
+    return ms, (stats.spec_draft_tokens - d0) / max(stats.mode_requests["TARGET_VERIFY"] - v0, 1), phases
 
 
 def _profiles(llm: Any, prompts: list[list[int]], k: int, steps: int) -> dict[str, Any]:
@@ -102,22 +105,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode: dict[int, float] = {}
     verify: dict[int, dict[int, float]] = {bs: {} for bs in args.batch_sizes}
     drafts: dict[int, dict[int, float]] = {bs: {} for bs in args.batch_sizes}
+    host: dict[int, dict[str, Any]] = {bs: {} for bs in args.batch_sizes}  # µs a step by phase
     sched.drafter = None
     for bs in args.batch_sizes:
         step_ms(llm, prompts[bs], 8)  # warm: graphs of this bucket, first-use costs
-        decode[bs], _ = step_ms(llm, prompts[bs], args.output_len)
+        decode[bs], _, host[bs]["decode"] = step_ms(llm, prompts[bs], args.output_len)
+        host[bs]["verify"] = {}
     for k in args.ks:
         llm.runner.capture_verify_graphs(k + 1)  # k drafts a request: the verify graphs of that shape
         sched.drafter = FixedDrafter(dataclasses.replace(sched.cfg, speculative_num_steps=k), sched.max_context)
         for bs in args.batch_sizes:
             step_ms(llm, prompts[bs], 4)
-            verify[bs][k], drafts[bs][k] = step_ms(llm, prompts[bs], args.output_len)
+            verify[bs][k], drafts[bs][k], host[bs]["verify"][k] = step_ms(llm, prompts[bs], args.output_len)
     profiles = _profiles(llm, prompts[min(args.batch_sizes)], args.ks[-1], args.profile_steps) if args.profile_steps else None
     rows = [{
         "batch_size": bs, "decode_step_ms": round(decode[bs], 4),
         "verify_step_ms": {k: round(v, 4) for k, v in verify[bs].items()},
         "verify_vs_decode": {k: round(v / decode[bs], 3) for k, v in verify[bs].items()},
         "drafts_per_request_step": {k: round(d, 3) for k, d in drafts[bs].items()},
+        "host_us_per_step": host[bs],
         # output tok/s at acceptance length 3 (only k >= 2 can keep two drafts), and as a ratio to plain decoding's
         "plain_tok_s": round(bs * 1e3 / decode[bs], 1),
         "projected_tok_s_at_acceptance_3": {k: round(ACCEPTANCE_LENGTH * bs * 1e3 / v, 1)

@@ -30,3 +30,9 @@ def test_bench_verify_times_verify_steps_of_exactly_k_drafts() -> None:
         assert row["drafts_per_request_step"] == {"1": 1.0, "4": 4.0}  # every verify step carried k drafts
         assert row["decode_step_ms"] > 0 and all(v > 0 for v in row["verify_step_ms"].values())
         assert set(row["projected_speedup_at_acceptance_3"]) == {"4"}  # one draft cannot make 3 tokens
+        # the host's time a step by phase: on CPU the device is the host, so the phases make up the step
+        host = row["host_us_per_step"]
+        for phases, ms in [(host["decode"], row["decode_step_ms"]), *((host["verify"][k], row["verify_step_ms"][k])
+                                                                      for k in ("1", "4"))]:
+            assert set(phases) == {"schedule", "launch", "wait", "process"} and min(phases.values()) >= 0
+            assert phases["launch"] > 0 and 0.5 * ms * 1e3 < sum(phases.values()) <= 1.05 * ms * 1e3
