@@ -37,8 +37,10 @@ def runs_beside(batch: ForwardBatch) -> bool:
 def partitioned_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream]:
     """A stream whose kernels run on ``num_sms`` of ``device``'s SMs (a CUDA green context), and the
     context, which must outlive it."""
-    from torch.cuda import green_contexts
-
+    try:
+        from torch.cuda import green_contexts
+    except ImportError as exc:
+        raise ValueError("split_prefill_overlap_sms needs CUDA green contexts (torch.cuda.green_contexts)") from exc
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < num_sms < total:
         raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
