@@ -71,7 +71,8 @@ def test_the_long_prompt_gives_one_first_token_under_every_setting(lines: list[d
 
 def test_every_ratio_is_its_figure_over_its_reference(lines: list[dict]) -> None:
     for r in (r for r in lines if not r.get("summary")):
-        assert 0 < r["steady_itl_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+        assert 0 < r["steady_itl_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p90_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+        assert r["itl_p90_vs_steady"] == pytest.approx(r["itl_p90_ms"] / r["steady_itl_ms"], rel=0.01)
         assert r["itl_p99_vs_steady"] == pytest.approx(r["itl_p99_ms"] / r["steady_itl_ms"], rel=0.01)
         assert r["itl_p50_vs_steady"] == pytest.approx(r["itl_p50_ms"] / r["steady_itl_ms"], rel=0.01)
         assert r["ttft_vs_solo"] == pytest.approx(r["ttft_ms"] / r["solo_prefill_ms"], rel=0.01)
