@@ -13,7 +13,9 @@ from .builder import build_engine
 from .forward_batch import ForwardResult
 from .request import Req
 from .sampling_params import SamplingParams
-from .scheduler.scheduler import ReqEvent, ScheduledStep, Scheduler
+from .scheduler.create import create_scheduler
+from .scheduler.scheduled_step import ReqEvent, ScheduledStep
+from .scheduler.scheduler import Scheduler
 from .step_loop import StepLoop
 from .tokenizer import Tokenizer
 
@@ -49,7 +51,7 @@ class LLM:
         self._close = weakref.finalize(self, parts.tp_workers.close) if parts.tp_workers is not None else None
         self.tokenizer: Tokenizer | None = parts.tokenizer
         self.runner = parts.runner
-        self.scheduler = Scheduler(
+        self.scheduler = create_scheduler(
             self.config.scheduler,
             num_pages=self.runner.num_pages,
             page_size=self.config.runner.page_size,

@@ -24,6 +24,7 @@ import torch
 
 from ...engine.models.random_checkpoint import write_config_only
 from ...engine.sampling_params import SamplingParams
+from ...engine.scheduler.speculative_scheduler import SpeculativeScheduler
 from .batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
 from .limits import device_name, sync
 from .verify_cost import ACCEPTANCE_LENGTH, FixedDrafter, step_ms
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=str(folder), speculative_algorithm="ngram", **common)
     prompt = random_prompts(llm.model_config.vocab_size, 1, args.input_len)[0].tolist()
     sched, dtype = llm.scheduler, str(llm.runner.dtype).removeprefix("torch.")
+    assert isinstance(sched, SpeculativeScheduler)  # speculative_algorithm is set
     sched.drafter = None
     step_ms(llm, [prompt], 8)  # warm
     decode_ms, _, _ = step_ms(llm, [prompt], args.output_len)

@@ -22,6 +22,7 @@ import numpy as np
 from ...engine.config import SchedulerConfig
 from ...engine.request import Req
 from ...engine.sampling_params import SamplingParams
+from ...engine.scheduler.create import create_scheduler
 from ...engine.scheduler.scheduler import Scheduler
 from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2, generate_pb2, generate_pb2_grpc
 from ..rpc.convert import BatchLimits, batch_to_proto
@@ -158,7 +159,7 @@ def batch_limits(desc: engine_pb2.EngineDescription) -> BatchLimits:
 def engine_scheduler(desc: engine_pb2.EngineDescription, **cfg: object) -> Scheduler:
     """A scheduler sized from an engine's Describe, as a router's rank makes one."""
     config = SchedulerConfig(max_running_requests=desc.max_running_requests, **cfg)  # type: ignore[arg-type]
-    return Scheduler(config, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
+    return create_scheduler(config, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
                      max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                      eos_token_ids=tuple(desc.eos_token_ids), num_layers=desc.num_layers)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ...engine.scheduler.scheduler import ScheduledStep
+from ...engine.scheduler.scheduled_step import ScheduledStep
 from ...engine.step_loop import PendingStep, StepLoop
 
 PHASES = ("schedule", "launch", "wait", "process")

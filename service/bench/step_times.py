@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ...engine.forward_batch import ForwardResult
 from ...engine.request import Req
-from ...engine.scheduler.scheduler import ScheduledStep
+from ...engine.scheduler.scheduled_step import ScheduledStep
 from ...engine.step_loop import StepLoop
 
 

@@ -22,6 +22,7 @@ import torch
 from ...engine.request import Req
 from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.speculative import NgramDrafter
+from ...engine.scheduler.speculative_scheduler import SpeculativeScheduler
 from .batch import add_batch, engine_kwargs, model_folder, prefill, random_prompts
 from .host_phases import run_timed
 from .limits import device_name, sync
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               kv_cache_tokens=top_bs * (args.input_len + args.output_len + k_max + 32) + 64,
               max_context_len=args.input_len + args.output_len + k_max + 16)
     sched, vocab = llm.scheduler, llm.model_config.vocab_size
+    assert isinstance(sched, SpeculativeScheduler)  # speculative_algorithm is set
     prompts = {bs: random_prompts(vocab, bs, args.input_len, seed=bs).tolist() for bs in args.batch_sizes}
     decode: dict[int, float] = {}
     verify: dict[int, dict[int, float]] = {bs: {} for bs in args.batch_sizes}

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
-from ...engine.scheduler.scheduler import ScheduledStep, Scheduler
+from ...engine.scheduler.scheduled_step import ScheduledStep
+from ...engine.scheduler.scheduler import Scheduler
 from ...engine.step_loop import Executor, StepLoop
 from ..telemetry.metrics import RankSample
 from .prefix_index import PrefixIndex

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Protocol, Sequence
 
-from ...engine.scheduler.scheduler import ScheduledStep, Scheduler
+from ...engine.scheduler.scheduled_step import ScheduledStep
+from ...engine.scheduler.scheduler import Scheduler
 from .lockstep import LockstepGroup, StepOffer
 
 Wait = Callable[[float], None]  # sleep up to this many seconds, unless woken by new work or a stop

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 from ...engine.config import SchedulerConfig
 from ...engine.models.dllm_spec import DllmSpec
 from ...engine.request_limits import RequestLimits
-from ...engine.scheduler.scheduler import Scheduler
+from ...engine.scheduler.create import create_scheduler
 from ...engine.tokenizer import Tokenizer, load_tokenizer
 from ..rpc.grpc_server import EventLoopThread, ServerOptions
 from ..rpc.engine_client import describe_engine, engine_healthy
@@ -88,7 +88,7 @@ def _start(address: str, initial: list[RankSpec], model: str | None, cfg: Remote
             raise ValueError(f"engine {addr} serves {d.model!r}, the router serves {desc.model!r}")
         sched_cfg = dataclasses.replace(cfg.scheduler, max_running_requests=min(cfg.scheduler.max_running_requests,
                                                                                 d.max_running_requests))
-        scheduler = Scheduler(sched_cfg, num_pages=d.num_kv_slots // d.page_size, page_size=d.page_size,
+        scheduler = create_scheduler(sched_cfg, num_pages=d.num_kv_slots // d.page_size, page_size=d.page_size,
                               max_context=d.max_context_len, vocab_size=d.vocab_size,
                               eos_token_ids=tuple(d.eos_token_ids), decode=decode, num_layers=d.num_layers,
                               dllm_spec=DllmSpec(d.dllm_block_size, d.dllm_mask_token_id) if d.dllm_block_size else None)

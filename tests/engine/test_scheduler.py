@@ -13,15 +13,18 @@ from modeserve.engine.forward_batch import ForwardResult
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
+from modeserve.engine.scheduler.create import create_scheduler
+from modeserve.engine.scheduler.scheduled_step import ScheduledStep
+from modeserve.engine.scheduler.scheduler import Scheduler
 
 VOCAB = 100
 EOS = 2
 
 
 def make(num_pages: int = 64, page_size: int = 4, max_context: int = 256, **cfg: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), num_pages=num_pages, page_size=page_size, max_context=max_context,
-                     vocab_size=VOCAB, eos_token_ids=(EOS,), decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
+    return create_scheduler(SchedulerConfig(**cfg), num_pages=num_pages, page_size=page_size,
+                            max_context=max_context, vocab_size=VOCAB, eos_token_ids=(EOS,),
+                            decode=lambda ids: "".join(chr(65 + i % 26) for i in ids))
 
 
 def add(s: Scheduler, n: int, rid: str, **sp: object) -> Req:

@@ -285,10 +285,10 @@ def test_two_splits_in_a_row_keep_the_decode_steps_between_slices(decode_steps: 
     ``split_prefill_decode_steps`` decode steps."""
     from modeserve.engine.config import SchedulerConfig
     from modeserve.engine.forward_batch import ForwardResult
-    from modeserve.engine.scheduler.scheduler import Scheduler
+    from modeserve.engine.scheduler.create import create_scheduler
 
-    s = Scheduler(SchedulerConfig(**SPLIT, split_prefill_decode_steps=decode_steps), num_pages=256, page_size=4,
-                  max_context=256, vocab_size=384, eos_token_ids=(2,), num_layers=NUM_LAYERS)
+    s = create_scheduler(SchedulerConfig(**SPLIT, split_prefill_decode_steps=decode_steps), num_pages=256,
+                         page_size=4, max_context=256, vocab_size=384, eos_token_ids=(2,), num_layers=NUM_LAYERS)
 
     def run() -> ForwardMode:
         step = s.schedule()

@@ -15,6 +15,7 @@ from modeserve.engine.forward_batch import ForwardBatch, ForwardResult
 from modeserve.engine.forward_mode import ForwardMode
 from modeserve.engine.request import Req
 from modeserve.engine.sampling_params import SamplingParams
+from modeserve.engine.scheduler.create import create_scheduler
 from modeserve.engine.scheduler.scheduler import Scheduler
 from modeserve.proto.v1 import forward_pb2
 from modeserve.service.rpc.convert import (
@@ -40,7 +41,7 @@ SLOT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "p
 
 def make_scheduler(**cfg: object) -> Scheduler:
     config = SchedulerConfig(**{"max_running_requests": MAX_REQS, **cfg})
-    return Scheduler(config, num_pages=NUM_PAGES, page_size=PAGE, max_context=MAX_CONTEXT, vocab_size=VOCAB,
+    return create_scheduler(config, num_pages=NUM_PAGES, page_size=PAGE, max_context=MAX_CONTEXT, vocab_size=VOCAB,
                      eos_token_ids=(2,), num_layers=LIMITS.num_layers)
 
 

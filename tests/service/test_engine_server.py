@@ -31,7 +31,9 @@ from modeserve.engine.models.loader import open_checkpoint
 from modeserve.engine.request import Req
 from modeserve.engine.runner.model_runner import ModelRunner
 from modeserve.engine.sampling_params import SamplingParams
-from modeserve.engine.scheduler.scheduler import ScheduledStep, Scheduler
+from modeserve.engine.scheduler.create import create_scheduler
+from modeserve.engine.scheduler.scheduled_step import ScheduledStep
+from modeserve.engine.scheduler.scheduler import Scheduler
 from modeserve.proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
 from modeserve.service.rpc.convert import batch_to_proto, result_from_proto
 from modeserve.service.rpc.engine_server import ENGINE_SERVICE, EngineServer, create_engine_server
@@ -95,7 +97,7 @@ def scheduler_for(desc: engine_pb2.EngineDescription) -> Scheduler:
     """A scheduler sized from the engine's Describe, configured like the in-process LLM's."""
     cfg = dataclasses.replace(EngineConfig.from_kwargs(**ENGINE_KWARGS).scheduler,
                               max_running_requests=desc.max_running_requests)
-    return Scheduler(cfg, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
+    return create_scheduler(cfg, num_pages=desc.num_kv_slots // desc.page_size, page_size=desc.page_size,
                      max_context=desc.max_context_len, vocab_size=desc.vocab_size,
                      eos_token_ids=tuple(desc.eos_token_ids))
 
