@@ -63,8 +63,8 @@ class ForwardBatch:
     padded_batch_size: int = 0
     trace_context: Mapping[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate of the step
     split_layers: LayerRange | None = None  # SPLIT_PREFILL only: the layers this step runs
-    # slots whose split prefill ended before its last slice (abort, preemption): the engine drops the
-    # hidden state it keeps for them
+    # slots whose split prefill ended before its last slice's result (abort, preemption): the engine drops
+    # the hidden state it keeps for them, and lets no step reuse their KV slots before the slices ran
     released_slots: tuple[int, ...] = ()
 
     @property

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .builder import build_engine
-from .forward_batch import ForwardResult
+from .forward_batch import ForwardBatch, ForwardResult
+from .forward_mode import ForwardMode
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler.create import create_scheduler
 from .scheduler.scheduled_step import ReqEvent, ScheduledStep
 from .scheduler.scheduler import Scheduler
-from .step_loop import StepLoop
+from .step_loop import Executor, StepLoop, StepSource
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,15 @@ class LLM:
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step until ``done()``; with overlap one step stays in flight while the next is prepared."""
-        source = _SchedulerSteps(self.scheduler, lambda _events: None)
-        StepLoop(source, self.runner, 2 if self.overlap else 1, self.scheduler.stats).run(done)
+        self.step_loop(_SchedulerSteps(self.scheduler, lambda _events: None)).run(done)
+
+    def step_loop(self, source: StepSource[ScheduledStep], executor: Executor | None = None) -> StepLoop[ScheduledStep]:
+        """The step loop of ``source`` on this engine (``executor``: in front of its runner): with overlap one
+        step in flight while the next is prepared, and a split prefill's last slice, which runs beside the
+        decode steps (``enable_split_prefill_overlap``), read when done rather than before their results."""
+        beside = self.overlap and self.config.runner.enable_split_prefill_overlap
+        return StepLoop(source, executor or self.runner, 2 if self.overlap else 1, self.scheduler.stats,
+                        _is_last_slice if beside else None)
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()
@@ -135,6 +143,10 @@ class LLM:
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _is_last_slice(batch: ForwardBatch) -> bool:
+    return batch.forward_mode == ForwardMode.SPLIT_PREFILL and bool(batch.sample_mask.any())
 
 
 class _SchedulerSteps:

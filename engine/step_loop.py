@@ -4,7 +4,9 @@
 the ``StepSource`` (a scheduler, or a stream of batches from a router) and the ``Executor`` behind
 ``launch`` (the model runner in this process, or a gRPC stream to an engine). Overlap is carrying the
 launched steps into the next iteration: step N+1 is built and launched before step N's result is
-read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves).
+read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves). Steps the
+loop is told to ``defer`` (a split prefill's last slice, beside the decode steps) are waited for only
+when done or when nothing else is left: later steps' results overtake theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class PendingStep(Protocol):
     """A launched step; ``result()`` waits for it (never for later steps)."""
 
     def result(self) -> ForwardResult: ...
+
+    def done(self) -> bool:
+        """Whether ``result()`` would return at once."""
 
 
 class Executor(Protocol):
@@ -45,7 +50,7 @@ class StepSource(Protocol[StepT]):
         a source that waits for work may block here (briefly: the loop checks ``stop`` between calls)."""
 
     def process(self, step: StepT, result: ForwardResult) -> None:
-        """The step's result, in launch order."""
+        """The step's result, in launch order (a deferred step's: when done, maybe after later steps')."""
 
 
 @dataclass(frozen=True)
@@ -61,35 +66,48 @@ class StepLoop(Generic[StepT]):
     it is recorded once, into ``stats``, and handed on as ``ForwardResult.forward_seconds``."""
 
     def __init__(self, source: StepSource[StepT], executor: Executor, max_in_flight: int,
-                 stats: ForwardModeStats) -> None:
+                 stats: ForwardModeStats, defer: Callable[[ForwardBatch], bool] | None = None) -> None:
+        """``defer``: the batches whose results later steps' may overtake; the source must need no such
+        result to build or process other steps, and the executor's results must not depend on the order
+        they are read in (in this process, not over a stream). They do not count in ``max_in_flight``."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.source = source
         self.executor = executor
         self.max_in_flight = max_in_flight
         self.stats = stats
+        self.defer = defer
         self._in_flight: collections.deque[_Launched[StepT]] = collections.deque()
+        self._deferred: collections.deque[_Launched[StepT]] = collections.deque()
         self._last_result = time.perf_counter()
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()`` and nothing is in flight (steps launched before ``stop()`` still finish)."""
-        in_flight = self._in_flight
+        in_flight, deferred = self._in_flight, self._deferred
         while True:
+            if deferred and deferred[0].pending.done():
+                self._finish(deferred.popleft(), overtaken=True)
             stopping = stop()
             if not stopping and len(in_flight) < self.max_in_flight:
-                step = self.source.next_step(idle=not in_flight)
+                step = self.source.next_step(idle=not in_flight and not deferred)
                 if step is not None:
-                    in_flight.append(_Launched(step, self.executor.launch(step.batch), time.perf_counter()))
+                    launched = _Launched(step, self.executor.launch(step.batch), time.perf_counter())
+                    (deferred if self.defer is not None and self.defer(step.batch) else in_flight).append(launched)
                     continue
             if in_flight:
                 self._finish(in_flight.popleft())
+            elif deferred:
+                self._finish(deferred.popleft(), overtaken=True)
             elif stopping:
                 return
 
-    def _finish(self, launched: _Launched[StepT]) -> None:
+    def _finish(self, launched: _Launched[StepT], overtaken: bool = False) -> None:
         result = launched.pending.result()
         now = time.perf_counter()
-        seconds = now - max(launched.at, self._last_result)
-        self._last_result = now
+        if overtaken:  # it ran beside the others: from its launch
+            seconds = now - launched.at
+        else:
+            seconds = now - max(launched.at, self._last_result)
+            self._last_result = now
         self.stats.add_time(launched.step.batch.forward_mode, seconds)
         self.source.process(launched.step, replace(result, forward_seconds=seconds))

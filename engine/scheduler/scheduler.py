@@ -71,6 +71,9 @@ class Scheduler:
         self._decodes_due = 0  # decode steps before the split's next slice
         self._after_slice = False  # the last step built was a slice (a split starting now waits a decode step)
         self._released: list[int] = []  # slots of split prefills dropped unfinished, for the next batch
+        # the request whose last slice is in flight: it decodes once that slice's token is known (a decode
+        # step with it would wait for the slice, and the step loop may read later steps' results first)
+        self._slicing: Req | None = None
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -158,7 +161,7 @@ class Scheduler:
 
     def _decoders(self) -> tuple[list[Req], list[Req]]:
         """The running requests that may take a DECODE step, and those that may take a TARGET_VERIFY step."""
-        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r)]
+        decodes = [r for r in self.running if r.prefill_done and self._may_decode(r) and r is not self._slicing]
         return decodes, decodes
 
     # ---- split prefill --------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class Scheduler:
         layers = LayerRange(split.next_layer, min(split.next_layer + per, self.num_layers))
         split.next_layer = layers.end
         if layers.end == self.num_layers:
-            self._split = None
+            self._split, self._slicing = None, split.item.req
         return self._build([split.item], [], split_layers=layers)
 
     def _decode_step(self, decodes: list[Req], verifies: list[Req]) -> ScheduledStep | None:
@@ -273,7 +276,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Req) -> None:
-        if self._split is not None and self._split.item.req is req:  # the engine drops its hidden state
+        if req is self._slicing:  # its KV slots go to others only after its last slice ran
+            self._slicing = None
+            self._released.append(req.req_pool_idx)
+        elif self._split is not None and self._split.item.req is req:  # the engine drops its hidden state too
             self._split = None
             self._released.append(req.req_pool_idx)
         self.kv.release(req)
@@ -346,6 +352,8 @@ class Scheduler:
         tokens = result.next_token_ids.tolist()  # Python ints at once, not a numpy scalar per row
         for i, sample in enumerate(step.samples):
             req = sample.req
+            if req is self._slicing:
+                self._slicing = None
             if req.finished:
                 continue  # aborted (or finished by an earlier in-flight step)
             token = tokens[i]

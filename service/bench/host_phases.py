@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ...engine.forward_batch import ForwardBatch, ForwardResult
 from ...engine.scheduler.scheduled_step import ScheduledStep
-from ...engine.step_loop import PendingStep, StepLoop
+from ...engine.step_loop import PendingStep
 
 PHASES = ("schedule", "launch", "wait", "process")
 
@@ -41,6 +41,9 @@ class _TimedPending:
             return self._pending.result()
         finally:
             self._times.wait += time.perf_counter() - start
+
+    def done(self) -> bool:
+        return self._pending.done()
 
 
 class _TimedSteps:
@@ -74,5 +77,5 @@ def run_timed(llm: Any, done: Callable[[], bool]) -> PhaseTimes:
     """``llm.run_until(done)`` (its overlap, its stats), with the host's time split by phase."""
     times = PhaseTimes()
     steps = _TimedSteps(llm, times)
-    StepLoop(steps, steps, 2 if llm.overlap else 1, llm.scheduler.stats).run(done)
+    llm.step_loop(steps, steps).run(done)
     return times

@@ -11,7 +11,6 @@ from typing import Any, Callable
 from ...engine.forward_batch import ForwardResult
 from ...engine.request import Req
 from ...engine.scheduler.scheduled_step import ScheduledStep
-from ...engine.step_loop import StepLoop
 
 
 class TimedSteps:
@@ -31,7 +30,7 @@ class TimedSteps:
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Step until ``stop()`` (and nothing is in flight)."""
-        StepLoop(self, self.llm.runner, 2 if self.llm.overlap else 1, self.llm.scheduler.stats).run(stop)
+        self.llm.step_loop(self).run(stop)
 
     def tokens_since(self, rid: str, since: float) -> int:
         times = self.token_times[rid]

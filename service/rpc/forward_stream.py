@@ -51,6 +51,9 @@ class _Failed:
     def result(self) -> ForwardResult:
         raise self.error
 
+    def done(self) -> bool:
+        return True
+
 
 class SharedRunner:
     """The one model runner of the engine behind every stream: launches one at a time; a bad batch

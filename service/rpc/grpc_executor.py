@@ -32,6 +32,9 @@ class _NextResult:
         except StopIteration as exc:
             raise TransportError("engine closed the stream") from exc
 
+    def done(self) -> bool:
+        return False  # unknown until the stream's next message is read
+
 
 class GrpcExecutor:
     def __init__(self, channel: grpc.Channel) -> None:
