@@ -11,7 +11,6 @@ from typing import Any, Callable, Sequence
 
 from .builder import build_engine
 from .forward_batch import ForwardBatch, ForwardResult
-from .forward_mode import ForwardMode
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler.create import create_scheduler
@@ -130,7 +129,7 @@ class LLM:
         decode steps (``enable_split_prefill_overlap``), read when done rather than before their results."""
         beside = self.overlap and self.config.runner.enable_split_prefill_overlap
         return StepLoop(source, executor or self.runner, 2 if self.overlap else 1, self.scheduler.stats,
-                        _is_last_slice if beside else None)
+                        ForwardBatch.is_last_slice if beside else None)
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()
@@ -143,10 +142,6 @@ class LLM:
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def _is_last_slice(batch: ForwardBatch) -> bool:
-    return batch.forward_mode == ForwardMode.SPLIT_PREFILL and bool(batch.sample_mask.any())
 
 
 class _SchedulerSteps:

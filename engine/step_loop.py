@@ -4,9 +4,9 @@
 the ``StepSource`` (a scheduler, or a stream of batches from a router) and the ``Executor`` behind
 ``launch`` (the model runner in this process, or a gRPC stream to an engine). Overlap is carrying the
 launched steps into the next iteration: step N+1 is built and launched before step N's result is
-read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves). Steps the
-loop is told to ``defer`` (a split prefill's last slice, beside the decode steps) are waited for only
-when done or when nothing else is left: later steps' results overtake theirs.
+read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves). A step the
+loop is told to ``defer`` (a split prefill's last slice, beside the decode steps) is waited for only
+once nothing else is in flight: until it is done, later steps' results overtake its.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class _Launched(Generic[StepT]):
     step: StepT
     pending: PendingStep
     at: float
+    seq: int  # launch order
 
 
 class StepLoop(Generic[StepT]):
@@ -80,18 +81,20 @@ class StepLoop(Generic[StepT]):
         self._in_flight: collections.deque[_Launched[StepT]] = collections.deque()
         self._deferred: collections.deque[_Launched[StepT]] = collections.deque()
         self._last_result = time.perf_counter()
+        self._launches = 0
 
     def run(self, stop: Callable[[], bool]) -> None:
         """Until ``stop()`` and nothing is in flight (steps launched before ``stop()`` still finish)."""
         in_flight, deferred = self._in_flight, self._deferred
         while True:
-            if deferred and deferred[0].pending.done():
+            if deferred and (not in_flight or deferred[0].seq < in_flight[0].seq) and deferred[0].pending.done():
                 self._finish(deferred.popleft(), overtaken=True)
             stopping = stop()
             if not stopping and len(in_flight) < self.max_in_flight:
                 step = self.source.next_step(idle=not in_flight and not deferred)
                 if step is not None:
-                    launched = _Launched(step, self.executor.launch(step.batch), time.perf_counter())
+                    self._launches += 1
+                    launched = _Launched(step, self.executor.launch(step.batch), time.perf_counter(), self._launches)
                     (deferred if self.defer is not None and self.defer(step.batch) else in_flight).append(launched)
                     continue
             if in_flight:

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 from google.protobuf.message import DecodeError
 
+from ...engine.forward_batch import ForwardBatch
 from ...engine.runner.model_runner import ModelRunner
 from ...engine.scheduler.stats import ForwardModeStats
 from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
@@ -78,7 +79,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     async def Forward(self, request_iterator: AsyncIterator[forward_pb2.ForwardBatch],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[forward_pb2.ForwardResult]:
-        """Results in step order; a bad batch or a failed forward ends only this stream."""
+        """Results in step order (a split prefill's last slice beside the decodes: when done); a bad batch or
+        a failed forward ends only this stream."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining: it accepts no new Forward streams")
         self.active_streams += 1
@@ -86,7 +88,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                asyncio.get_running_loop())
         undecodable: list[str] = []
         reader = asyncio.ensure_future(stream.read(_decoded(request_iterator, undecodable)))
-        threading.Thread(target=stream.run, args=(self._runner,), name="forward-steps", daemon=True).start()
+        # a last slice beside the decode steps: its result goes out when done, after later steps' maybe
+        defer = ForwardBatch.is_last_slice if self._model_runner.side_stream is not None else None
+        threading.Thread(target=stream.run, args=(self._runner, defer), name="forward-steps", daemon=True).start()
         try:
             while (item := await stream.results.get()) is not None:
                 if isinstance(item, StepError):

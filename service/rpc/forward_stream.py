@@ -10,7 +10,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import grpc
 
@@ -105,11 +105,12 @@ class ForwardStream:
         except RuntimeError:  # the loop is closed: the server stopped, nobody waits for results
             pass
 
-    def run(self, executor: Executor) -> None:
+    def run(self, executor: Executor, defer: Callable[[ForwardBatch], bool] | None = None) -> None:
         """Step (on the calling thread) until the router closes the stream or a step fails; the results
-        (then an error, if any, then None) go to ``results``."""
+        (then an error, if any, then None) go to ``results``, in step order but for the ``defer``red
+        steps' (``StepLoop``)."""
         try:
-            StepLoop(self, executor, 2, self.stats).run(lambda: self.ended)
+            StepLoop(self, executor, 2, self.stats, defer).run(lambda: self.ended)
         except StepError as exc:
             self._error = exc
         if self._error is not None:

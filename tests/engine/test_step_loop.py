@@ -100,3 +100,9 @@ def test_the_loop_waits_for_a_deferred_step_before_it_ends() -> None:
     StepLoop(script, script, 2, ForwardModeStats(), defer=_is_slice).run(lambda: not script.todo)
     assert _processed(script) == ["DECODE0", "DECODE2", "SPLIT_PREFILL1"]
     assert script.in_flight == 0
+
+
+def test_a_done_deferred_step_keeps_its_place() -> None:
+    script = _Script(MODES)  # every result ready at once: nothing overtakes
+    StepLoop(script, script, 2, ForwardModeStats(), defer=_is_slice).run(lambda: not script.todo)
+    assert _processed(script) == [f"{m.name}{i}" for i, m in enumerate(MODES)]
