@@ -202,7 +202,11 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``; logits [S, V] (the model's dtype) of the rows that sample."""
         self._send("compute_logits", batch)
-        return self._compute_logits(batch)
+        if self.side_stream is None:
+            return self._logits(batch)
+        with self.side_stream.lane(batch):
+            logits = self._logits(batch)
+        return self.side_stream.hand_over(logits) if self._on_side_stream(batch) else logits
 
     def _send(self, method: str, batch: ForwardBatch) -> None:
         """Rank 0 of a tensor-parallel engine: the other ranks run ``method`` on ``batch`` too."""
@@ -212,19 +216,6 @@ class ModelRunner:
     def _agreed(self, next_ids: torch.Tensor) -> torch.Tensor:
         """The sampled tokens of rank 0 on every rank (the ranks' slot tables stay one)."""
         return self.tp.broadcast(next_ids) if self.tp is not None else next_ids
-
-    def _compute_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        side = self.side_stream
-        if side is None:
-            return self._logits(batch)
-        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
-            with side.slice():
-                logits = self._logits(batch)
-            return side.hand_over(logits)
-        side.before(batch)
-        logits = self._logits(batch)
-        side.after(batch)
-        return logits
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         batch.forward_mode.require_supported()
@@ -411,11 +402,11 @@ class ModelRunner:
         self._send("launch", batch)
         if self.side_stream is None:
             return self._launch(batch)
-        with self.side_stream.beside(batch):
+        with self.side_stream.lane(batch):
             return self._launch(batch)
 
     def _launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
-        logits = self._compute_logits(batch)  # [S, V]
+        logits = self._logits(batch)  # [S, V]
         bucket = self._graph_bucket
         if logits.shape[0] == 0:
             empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)

@@ -8,8 +8,10 @@ that keep every SM they are given (persistent GEMMs) then leave the others to th
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
 main stream waits for the slices before a step that is not a decode (it may plan or write what a
-slice uses), before slots a split held are released (their KV slots go to other requests), and
-before the last slice's logits are sampled. On CPU there is one stream and nothing to order."""
+slice uses), and before slots a split held are released (their KV slots go to other requests). A slice's whole
+launch, the last one's sampling and result copies included, stays on the side stream, so its result is
+ready when the slice is, whatever the decodes beside it are doing. On CPU there is one stream and
+nothing to order."""
 
 from __future__ import annotations
 
@@ -66,7 +68,19 @@ class SideStream:
         self._mark: torch.cuda.Event | None = None  # the main stream after its last step a slice may read
 
     @contextlib.contextmanager
-    def beside(self, batch: ForwardBatch) -> Iterator[None]:
+    def lane(self, batch: ForwardBatch) -> Iterator[None]:
+        """The stream ``batch``'s launch runs on, ordered with the others as the module says."""
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+            with self._slice():
+                yield
+            return
+        with self._beside(batch):
+            self._before(batch)
+            yield
+            self._after(batch)
+
+    @contextlib.contextmanager
+    def _beside(self, batch: ForwardBatch) -> Iterator[None]:
         """A decode step's whole launch (inputs, layers, sampling, result copies) on the high-priority
         stream, in order with the main stream on both sides; other steps as they are."""
         if self.decode_stream is None or not runs_beside(batch):
@@ -78,19 +92,20 @@ class SideStream:
             yield
         main.wait_stream(self.decode_stream)
 
-    def before(self, batch: ForwardBatch) -> None:
+    def _before(self, batch: ForwardBatch) -> None:
         """Before a main-stream step: wait for the slices where it may touch what they use."""
         if self.stream is not None and (not runs_beside(batch) or batch.released_slots):
             torch.cuda.current_stream().wait_stream(self.stream)
 
-    def after(self, batch: ForwardBatch) -> None:
+    def _after(self, batch: ForwardBatch) -> None:
         """After a main-stream step is queued: where the next slice starts from, unless it was a decode."""
         if self.stream is not None and not runs_beside(batch):
             self._mark = torch.cuda.current_stream().record_event()
 
     @contextlib.contextmanager
-    def slice(self) -> Iterator[None]:
-        """Queue a slice's whole step (uploads, slot-table writes, layers) on the side stream."""
+    def _slice(self) -> Iterator[None]:
+        """Queue a slice's whole step (uploads, slot-table writes, layers; the last one's sampling and
+        result copies) on the side stream."""
         if self.stream is None:
             yield
             return
@@ -100,7 +115,7 @@ class SideStream:
             yield
 
     def hand_over(self, logits: torch.Tensor) -> torch.Tensor:
-        """A last slice's logits, for the main stream to sample from."""
+        """A last slice's logits, for a caller on the main stream (``ModelRunner.compute_logits``)."""
         if self.stream is not None and logits.shape[0]:
             main = torch.cuda.current_stream()
             main.wait_stream(self.stream)
