@@ -20,7 +20,6 @@ from ..forward_mode import ForwardMode
 from ..models.dllm_spec import DllmSpec
 from ..models.linear import choose_gemv
 from ..models.loader import Checkpoint, load_model, torch_dtype
-from . import sampler
 from .chained_verify import ChainedVerify, chained_rows, host_prefix_lens
 from .cuda_graph_runner import CudaGraphRunner
 from .draft_model import DraftModel
@@ -29,6 +28,7 @@ from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
 from .side_stream import SideStream, runs_beside
 from .split_prefill import SplitPrefill
+from .step_result import Launched, StepSampler, dllm_block_index
 from ..distributed.group import TpGroup
 from ..distributed.shard import head_rows, local_config
 from ...kernels.attention.base import (AttentionInputs, create_attention_backend, one_block_a_request,
@@ -82,14 +82,12 @@ class ModelRunner:
         # per lane (a split's slices on the side stream, or not): when the device had the host buffers of
         # the lane's last step
         self._inputs_consumed: dict[bool, torch.cuda.Event] = {}
-        self._graph_bucket: int | None = None  # the bucket the step being launched replays (None: eager)
-        self._sample_slots: torch.Tensor | None = None  # a graph step's sampling slots, on the device already
-        self._input_ids: torch.Tensor | None = None  # the eager step's input ids (on the device)
-        self._positions: torch.Tensor | None = None  # a verify step's positions (on the device)
-        self._chained = False  # the step being launched has chained verify rows
+        self._step = Launched()  # what the step being launched leaves for its sampling
         self._init_model(ckpt, progress)
         self._init_memory()
         self.split = SplitPrefill(ckpt.config.num_layers)
+        self.sampler = StepSampler(self.slots, self.kernel_ops, self.device,
+                                   tp.broadcast if tp is not None else None, dllm)
         # a split prefill's slices beside the decode steps, on a stream of their own
         self.side_stream = (SideStream(self.device, cfg.split_prefill_overlap_sms)
                             if cfg.enable_split_prefill_overlap else None)
@@ -213,10 +211,6 @@ class ModelRunner:
         if self.tp is not None and self.tp.rank == 0:
             self.tp.send_step((method, batch))
 
-    def _agreed(self, next_ids: torch.Tensor) -> torch.Tensor:
-        """The sampled tokens of rank 0 on every rank (the ranks' slot tables stay one)."""
-        return self.tp.broadcast(next_ids) if self.tp is not None else next_ids
-
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         batch.forward_mode.require_supported()
         self._check_model_kind(batch.forward_mode)
@@ -228,8 +222,7 @@ class ModelRunner:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
             self.slots.update(upd)
-        self._graph_bucket = None
-        self._sample_slots = None
+        self._step = Launched()
         if batch.forward_mode == ForwardMode.IDLE or batch.num_tokens == 0:
             if batch.padded_batch_size > 0 and self.graphs is not None:
                 self._replay_padding_only(batch)  # lockstep: the other ranks replay this bucket too
@@ -237,13 +230,13 @@ class ModelRunner:
         rows_np = np.repeat(batch.req_pool_indices, batch.extend_lens)  # [T]
         self.slots.record_pages(rows_np, batch.positions, batch.out_cache_loc)
         chained = chained_rows(batch)
-        self._chained = chained is not None
+        self._step.chained = chained is not None
         graphs, bucket = self._graphs_for(batch), None
         if graphs is not None and batch.padded_batch_size >= 0:  # -1: lockstep says eager
             bucket = graphs.bucket_for(batch.forward_mode, max(batch.batch_size, batch.padded_batch_size))
         if graphs is not None and bucket is not None:
             return self._replay(batch, graphs, bucket, chained)
-        sample_idx_np = self._dllm_block_index(batch) if self.dllm is not None else batch.sample_token_index()  # [S]
+        sample_idx_np = dllm_block_index(batch, self.dllm.block_size) if self.dllm is not None else batch.sample_token_index()  # [S]
         input_ids, positions, out_cache_loc, req_pool, seq_lens, rows, sample_idx = upload(
             [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
              rows_np, sample_idx_np], self.device)
@@ -251,8 +244,7 @@ class ModelRunner:
         input_ids = self._drafted(batch, input_ids, out_cache_loc, req_pool, rows, positions)
         self.attn.init_forward_metadata(inputs)
         self._mark_inputs_consumed(batch)
-        self._input_ids = input_ids  # a verify step's drafts, which its acceptance reads
-        self._positions = positions
+        self._step.input_ids, self._step.positions = input_ids, positions  # a verify step's acceptance reads them
         pieces = self.piecewise if batch.forward_mode in _PIECEWISE_MODES else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
         hidden: torch.Tensor | None
@@ -276,15 +268,6 @@ class ModelRunner:
                              f"DLLM_EXTEND steps only")
         if self.dllm is None and mode == ForwardMode.DLLM_EXTEND:
             raise ValueError("forward mode DLLM_EXTEND: this engine serves an autoregressive model")
-
-    def _dllm_block_index(self, batch: ForwardBatch) -> np.ndarray:
-        """[S * block size] the tokens of each sampled row's block (its last block-size tokens)."""
-        assert self.dllm is not None
-        size = self.dllm.block_size
-        ends = np.cumsum(batch.extend_lens)[batch.sample_mask]
-        if (batch.extend_lens[batch.sample_mask] < size).any():
-            raise ValueError(f"DLLM_EXTEND: a sampled row carries fewer tokens than a block ({size})")
-        return (ends[:, None] - size + np.arange(size)).reshape(-1)
 
     def _record(self, batch: ForwardBatch, chained: np.ndarray | None, rows: torch.Tensor, positions: torch.Tensor,
                 out_cache_loc: torch.Tensor, input_ids: torch.Tensor, req_pool: torch.Tensor,
@@ -348,7 +331,7 @@ class ModelRunner:
         """A graph step (``graphs.q`` queries a request, every query samples): the rows go straight into
         the graph's static buffer, the tokens are recorded there in place (a verify step's drafts
         written in by the draft model first, if any), then the bucket replays."""
-        self._graph_bucket = bucket
+        self._step.bucket = bucket
         rows = graphs.upload(batch.forward_mode, bucket, [
             batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens])
         token_rows = rows.req_pool_indices if graphs.q == 1 else rows.req_pool_indices.repeat_interleave(graphs.q)
@@ -360,10 +343,9 @@ class ModelRunner:
             rows.input_ids.copy_(drafted)
         self.attn.init_replay(inputs, bucket)
         self._mark_inputs_consumed(batch)
-        self._input_ids = rows.input_ids  # a verify step's drafts, which its acceptance reads
-        self._positions = rows.positions
+        self._step.input_ids, self._step.positions = rows.input_ids, rows.positions
         if graphs.q == 1 and batch.sample_mask.all():
-            self._sample_slots = rows.req_pool_indices
+            self._step.sample_slots = rows.req_pool_indices
         return graphs.replay(bucket, batch.batch_size)
 
     def _replay_padding_only(self, batch: ForwardBatch) -> None:
@@ -407,90 +389,7 @@ class ModelRunner:
 
     def _launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
         logits = self._logits(batch)  # [S, V]
-        bucket = self._graph_bucket
-        if logits.shape[0] == 0:
-            empty = ForwardResult(next_token_ids=np.zeros(0, dtype=np.int64), cuda_graph_bucket=bucket)
-            return PendingResult([], lambda _: empty)
-        if self.dllm is not None:
-            return self._dllm_result(batch, logits)
-        slots, seq_lens = batch.sample_rows()
-        slots_dev = self._sample_slots if self._sample_slots is not None else upload([slots], self.device)[0]
-        verify = batch.forward_mode == ForwardMode.TARGET_VERIFY
-        if self.slots.is_plain_greedy(slots):
-            next_ids = self.kernel_ops.argmax(logits, self.slots.last_token, slots_dev)
-            if self.tp is not None:
-                next_ids = self._agreed(next_ids)
-                self.slots.last_token[slots_dev] = next_ids
-            if verify:
-                return self._accept(batch, next_ids, [])
-            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
-        st, want_logprobs = self.slots.sampling_tensors(slots, seq_lens)
-        if self._chained:  # chained rows' positions are known on the device only
-            assert self._positions is not None
-            st = dataclasses.replace(st, positions=self._positions + 1)
-        logits = logits.float()  # sampling and log-probabilities in fp32 (greedy needs no conversion)
-        raw = logits
-        if st.any_penalties:
-            seq_t = st.positions
-            history = self.slots.token_ids[slots_dev, : int(seq_lens.max())]
-            (prompt_lens,) = upload([self.slots.prompt_len[slots]], self.device)
-            logits = sampler.apply_penalties(logits, history, prompt_lens, seq_t, st)
-        next_ids = self._agreed(sampler.sample(logits, st, self.kernel_ops.sample_sorted))
-        self.slots.last_token[slots_dev] = next_ids
-        if verify:
-            return self._accept(batch, next_ids, list(sampler.compute_logprobs(raw, next_ids, st.max_top_n))
-                                if want_logprobs else [])
-        if not want_logprobs:
-            return PendingResult([next_ids], lambda h: ForwardResult(next_token_ids=h[0], cuda_graph_bucket=bucket))
-        lp = sampler.compute_logprobs(raw, next_ids, st.max_top_n)
-        return PendingResult(
-            [next_ids, lp.chosen, lp.top_ids, lp.top_values],
-            lambda h: ForwardResult(next_token_ids=h[0], logprobs=h[1], top_logprob_ids=h[2],
-                                    top_logprob_values=h[3], cuda_graph_bucket=bucket),
-        )
-
-    def _dllm_result(self, batch: ForwardBatch, logits: torch.Tensor) -> PendingResult[ForwardResult]:
-        """Each sampled block's tokens, one a position from that position's logits (argmax at temperature 0,
-        else a seeded draw at its position: batch-independent), and their probabilities (at the request's
-        temperature, before top-k/top-p)."""
-        assert self.dllm is not None
-        size = self.dllm.block_size
-        slots = np.repeat(batch.req_pool_indices[batch.sample_mask], size)
-        positions = batch.positions[self._dllm_block_index(batch)]
-        logits = logits.float()
-        logits[:, self.dllm.mask_token_id] = float("-inf")  # a position is never unmasked to the mask itself
-        if self.slots.is_plain_greedy(slots):
-            probs = torch.softmax(logits, dim=-1)
-            conf, next_ids = probs.max(dim=-1)
-        else:
-            st, _ = self.slots.sampling_tensors(slots, positions)
-            next_ids = sampler.sample(logits, st, self.kernel_ops.sample_sorted)
-            temp = torch.where(st.temperatures > 0, st.temperatures, torch.ones_like(st.temperatures))
-            conf = torch.softmax(logits / temp[:, None], dim=-1).gather(1, next_ids[:, None])[:, 0]
-        return PendingResult([next_ids, conf],
-                             lambda h: ForwardResult(next_token_ids=h[0], confidences=h[1].astype(np.float32)))
-
-    def _accept(self, batch: ForwardBatch, next_ids: torch.Tensor,
-                logprobs: list[torch.Tensor]) -> PendingResult[ForwardResult]:
-        """A verify step's result: the target's token after every input token, each drawn as a
-        non-speculative step would draw it, and how many drafts each request keeps (those equal to
-        the target's token before them: for one-hot drafts, rejection sampling exactly). The
-        request's last kept token goes to ``last_token``."""
-        starts = np.cumsum(batch.extend_lens) - batch.extend_lens
-        starts_dev, lens, slots = upload([starts, batch.extend_lens, batch.req_pool_indices], self.device)
-        assert self._input_ids is not None and self._positions is not None  # the step's tokens, drafts included
-        # the drafts kept; the target's token after them into last_token, where a chained next step starts
-        # into fill_len
-        accepted = self.kernel_ops.accept_runs(next_ids, self._input_ids, self._positions, starts_dev, lens, slots,
-                                               self.slots.last_token, self.slots.fill_len,
-                                               int(batch.extend_lens.max()))
-        bucket = self._graph_bucket
-
-        def build(h: list[np.ndarray]) -> ForwardResult:
-            lp: list[np.ndarray | None] = [*h[2:]] if logprobs else [None, None, None]
-            return ForwardResult(next_token_ids=h[0], accepted_lengths=h[1], logprobs=lp[0], top_logprob_ids=lp[1],
-                                 top_logprob_values=lp[2], cuda_graph_bucket=bucket)
-        return PendingResult([next_ids, accepted, *logprobs], build)
+        return self.sampler.result(batch, logits, self._step)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         return self.launch(batch).result()

@@ -228,7 +228,7 @@ def test_sampled_token_frequencies_match_plain_sampling(tmp_path: Path, rule: st
     plain = LLM(model=str(folder), **BASE).generate(prompt_token_ids=[prompt] * reqs, sampling_params=sps)
     llm = spec_llm(folder, algorithm)
     if rule != "exact":
-        llm.runner.kernel_ops = dataclasses.replace(llm.runner.kernel_ops, accept_runs=accept_every_draft)
+        llm.runner.sampler.kernel_ops = dataclasses.replace(llm.runner.kernel_ops, accept_runs=accept_every_draft)
     spec = llm.generate(prompt_token_ids=[prompt] * reqs, sampling_params=sps)
     assert llm.stats()["speculative"]["draft_tokens"] > reqs
     p = chi_square_p([t for o in plain for t in o.token_ids], [t for o in spec for t in o.token_ids], vocab)
