@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ...proto.v1 import forward_pb2
-from ..rpc.convert import BatchLimits
+from ..rpc.batch_checks import BatchLimits
 
 ARRAY_FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
 

@@ -25,7 +25,8 @@ from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.create import create_scheduler
 from ...engine.scheduler.scheduler import Scheduler
 from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2, generate_pb2, generate_pb2_grpc
-from ..rpc.convert import BatchLimits, batch_to_proto
+from ..rpc.batch_checks import BatchLimits
+from ..rpc.convert import batch_to_proto
 from ..rpc.grpc_executor import GrpcExecutor, TransportError
 
 Verdict = Literal["ok", "refused", "other"]

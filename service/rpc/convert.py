@@ -2,15 +2,15 @@
 
 Arrays travel as packed little-endian bytes and are decoded with ``np.frombuffer`` (zero-copy,
 read-only views of the message's bytes). Decoding a batch validates everything the runner indexes
-with — slot-table rows, positions, KV slots, token ids — in O(batch) vectorised numpy, so a bad
-batch is a ``ValueError`` naming the field instead of a device fault or a corrupted slot table.
+with (``batch_checks``), so a bad batch is a ``ValueError`` naming the field instead of a device
+fault or a corrupted slot table.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import numpy as np
 
@@ -19,22 +19,13 @@ from ...engine.forward_mode import ForwardMode
 from ...engine.sampling_params import SamplingParams
 from ...engine.scheduler.stats import ForwardModeStats
 from ...proto.v1 import forward_pb2, generate_pb2
+from .batch_checks import BatchLimits, check_range, check_requests, check_slot, check_tokens
 
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 _U8 = np.dtype("u1")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NO_LOGPROBS = -1
-
-
-class BatchLimits(NamedTuple):
-    """What a batch may index on the receiving engine."""
-
-    max_reqs: int  # rows of the request->slot table
-    max_context: int  # positions per row
-    num_kv_slots: int  # token slots of the KV pool
-    vocab_size: int
-    num_layers: int  # decoder layers (a SPLIT_PREFILL step's range lies within)
 
 
 def _pack(a: np.ndarray, dtype: np.dtype) -> bytes:
@@ -45,13 +36,6 @@ def _unpack(data: bytes, dtype: np.dtype, field: str) -> np.ndarray:
     if len(data) % dtype.itemsize:
         raise ValueError(f"{field}: {len(data)} bytes is not a multiple of {dtype.itemsize} ({dtype.name})")
     return np.frombuffer(data, dtype=dtype)
-
-
-def _check_range(a: np.ndarray, lo: int, hi: int, field: str) -> None:
-    """Every value in [lo, hi); names the first offender."""
-    if a.size and (int(a.min()) < lo or int(a.max()) >= hi):
-        i = int(np.flatnonzero((a < lo) | (a >= hi))[0])
-        raise ValueError(f"{field}[{i}] = {int(a[i])} is outside [{lo}, {hi})")
 
 
 def _sampling_to_proto(sp: SamplingParams) -> forward_pb2.SlotSampling:
@@ -127,69 +111,11 @@ def _mode_from_proto(value: int) -> ForwardMode:
         raise ValueError(f"forward_mode {value} is not a forward mode (known: {known})") from None
 
 
-def _check_requests(mode: ForwardMode, req_pool: np.ndarray, prefix: np.ndarray, ext: np.ndarray, mask: np.ndarray,
-                    limits: BatchLimits) -> None:
-    num_reqs = req_pool.shape[0]
-    for name, arr in (("prefix_lens", prefix), ("extend_lens", ext), ("sample_mask", mask)):
-        if arr.shape[0] != num_reqs:
-            raise ValueError(f"{name} has {arr.shape[0]} entries but req_pool_indices has {num_reqs} "
-                             f"(one per request)")
-    _check_range(req_pool, 0, limits.max_reqs, "req_pool_indices")
-    if num_reqs > 1 and np.unique(req_pool).shape[0] != num_reqs:
-        raise ValueError("req_pool_indices: a slot-table row appears twice in one batch")
-    _check_range(prefix, 0, limits.max_context + 1, "prefix_lens")
-    _check_range(ext, 0, limits.max_context + 1, "extend_lens")
-    seq_lens = prefix + ext  # no overflow: both checked above
-    if num_reqs and int(seq_lens.max()) > limits.max_context:
-        i = int(np.argmax(seq_lens))
-        raise ValueError(f"prefix_lens[{i}] + extend_lens[{i}] = {int(seq_lens[i])} exceeds max_context "
-                         f"{limits.max_context}")
-    if num_reqs and int(mask.max()) > 1:
-        raise ValueError(f"sample_mask[{int(np.argmax(mask > 1))}] = {int(mask.max())}; each entry must be 0 or 1")
-    empty_samplers = np.flatnonzero((mask != 0) & (ext == 0))
-    if empty_samplers.size:
-        raise ValueError(f"sample_mask[{int(empty_samplers[0])}] is set but extend_lens is 0 (nothing to sample from)")
-    # the shape each mode's runner path indexes by (the scheduler builds no other)
-    if mode == ForwardMode.IDLE and num_reqs:
-        raise ValueError(f"forward_mode IDLE carries no requests, got {num_reqs}")
-    if mode == ForwardMode.DECODE and not ((ext == 1) & (mask == 1)).all():
-        raise ValueError("forward_mode DECODE takes one sampled token a request (extend_lens 1, sample_mask 1)")
-    if mode == ForwardMode.SPLIT_PREFILL and (not num_reqs or int(ext.min()) < 1):
-        raise ValueError("forward_mode SPLIT_PREFILL takes one or more requests, each with tokens to prefill")
-    if mode == ForwardMode.TARGET_VERIFY and num_reqs and int(ext.min()) < 1:
-        raise ValueError(f"forward_mode TARGET_VERIFY: extend_lens[{int(np.argmin(ext))}] = 0 (a request verifies "
-                         f"its last token and its drafts)")
-
-
-def _check_tokens(prefix: np.ndarray, ext: np.ndarray, ids: np.ndarray, pos: np.ndarray, loc: np.ndarray,
-                  limits: BatchLimits) -> None:
-    num_tokens = int(ext.sum())
-    for name, arr in (("input_ids", ids), ("positions", pos), ("out_cache_loc", loc)):
-        if arr.shape[0] != num_tokens:
-            raise ValueError(f"{name} has {arr.shape[0]} entries but sum(extend_lens) = {num_tokens}")
-    _check_range(ids, -1, limits.vocab_size, "input_ids")  # -1: overlap placeholder
-    _check_range(loc, 0, limits.num_kv_slots, "out_cache_loc")
-    # Request r's tokens sit at positions prefix_lens[r], prefix_lens[r] + 1, ... in batch order.
-    token_start = np.cumsum(ext) - ext  # [B]
-    expected = np.arange(num_tokens, dtype=np.int64) + np.repeat(prefix - token_start, ext)  # [T]
-    bad = np.flatnonzero(pos != expected)
-    if bad.size:
-        t = int(bad[0])
-        r = int(np.searchsorted(token_start + ext, t, side="right"))
-        raise ValueError(f"positions[{t}] = {int(pos[t])} but request {r} (prefix_lens {int(prefix[r])}, "
-                         f"extend_lens {int(ext[r])}) puts position {int(expected[t])} there")
-
-
-def _check_slot(req_pool_idx: int, field: str, limits: BatchLimits) -> None:
-    if not 0 <= req_pool_idx < limits.max_reqs:
-        raise ValueError(f"{field}.req_pool_idx = {req_pool_idx} is outside [0, {limits.max_reqs})")
-
-
 def _admissions_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> tuple[ReqAdmission, ...]:
     out = []
     for i, a in enumerate(m.admissions):
         field = f"admissions[{i}]"
-        _check_slot(a.req_pool_idx, field, limits)
+        check_slot(a.req_pool_idx, field, limits)
         if not 0 <= a.prompt_len <= limits.max_context:
             raise ValueError(f"{field}.prompt_len = {a.prompt_len} is outside [0, {limits.max_context}]")
         if not a.HasField("sampling"):
@@ -203,18 +129,18 @@ def _slot_updates_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -
     out = []
     for i, u in enumerate(m.slot_updates):
         field = f"slot_updates[{i}]"
-        _check_slot(u.req_pool_idx, field, limits)
+        check_slot(u.req_pool_idx, field, limits)
         locs = _unpack(u.kv_locs, _I64, f"{field}.kv_locs")
         if not 0 <= u.start <= limits.max_context - locs.shape[0]:
             raise ValueError(f"{field}: start {u.start} + {locs.shape[0]} kv_locs does not fit in "
                              f"max_context {limits.max_context}")
-        _check_range(locs, 0, limits.num_kv_slots, f"{field}.kv_locs")
+        check_range(locs, 0, limits.num_kv_slots, f"{field}.kv_locs")
         ids = None
         if u.token_ids:
             ids = _unpack(u.token_ids, _I64, f"{field}.token_ids")
             if ids.shape != locs.shape:
                 raise ValueError(f"{field}: {ids.shape[0]} token_ids for {locs.shape[0]} kv_locs")
-            _check_range(ids, 0, limits.vocab_size, f"{field}.token_ids")
+            check_range(ids, 0, limits.vocab_size, f"{field}.token_ids")
         out.append(SlotUpdate(u.req_pool_idx, u.start, locs, ids))
     return tuple(out)
 
@@ -229,12 +155,12 @@ def batch_from_proto(m: forward_pb2.ForwardBatch, limits: BatchLimits) -> Forwar
     ids = _unpack(m.input_ids, _I64, "input_ids")
     pos = _unpack(m.positions, _I64, "positions")
     loc = _unpack(m.out_cache_loc, _I64, "out_cache_loc")
-    _check_requests(mode, req_pool, prefix, ext, mask, limits)
-    _check_tokens(prefix, ext, ids, pos, loc, limits)
+    check_requests(mode, req_pool, prefix, ext, mask, limits)
+    check_tokens(prefix, ext, ids, pos, loc, limits)
     if not -1 <= m.padded_batch_size <= limits.max_reqs:
         raise ValueError(f"padded_batch_size = {m.padded_batch_size} is outside [-1, {limits.max_reqs}]")
     released = _unpack(m.released_slots, _I64, "released_slots")
-    _check_range(released, 0, limits.max_reqs, "released_slots")
+    check_range(released, 0, limits.max_reqs, "released_slots")
     return ForwardBatch(
         forward_mode=mode,
         req_pool_indices=req_pool,

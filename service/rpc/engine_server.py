@@ -20,7 +20,8 @@ from ...engine.forward_batch import ForwardBatch
 from ...engine.runner.model_runner import ModelRunner
 from ...engine.scheduler.stats import ForwardModeStats
 from ...proto.v1 import engine_pb2, engine_pb2_grpc, forward_pb2
-from .convert import BatchLimits, mode_stats_to_proto
+from .batch_checks import BatchLimits
+from .convert import mode_stats_to_proto
 from .engine_client import ENGINE_SERVICE
 from .forward_stream import ForwardStream, SharedRunner, StepError
 from .grpc_server import EventLoopThread, GrpcServer, ServerOptions

@@ -20,7 +20,8 @@ from ...engine.step_loop import Executor, PendingStep, StepLoop
 from ...proto.v1 import forward_pb2
 from ..telemetry.step_tracing import end_forward_span, forward_span
 from ..telemetry.tracing import Tracing
-from .convert import BatchLimits, batch_from_proto, result_to_proto
+from .batch_checks import BatchLimits
+from .convert import batch_from_proto, result_to_proto
 
 if TYPE_CHECKING:
     from ..telemetry.span_record import SpanRecord

@@ -18,8 +18,8 @@ from modeserve.engine.sampling_params import SamplingParams
 from modeserve.engine.scheduler.create import create_scheduler
 from modeserve.engine.scheduler.scheduler import Scheduler
 from modeserve.proto.v1 import forward_pb2
+from modeserve.service.rpc.batch_checks import BatchLimits
 from modeserve.service.rpc.convert import (
-    BatchLimits,
     batch_from_proto,
     batch_to_proto,
     result_from_proto,

@@ -32,7 +32,7 @@ from modeserve.service.bench.fuzz_probes import (Reply, Witness, batch_limits, e
                                                  garbage_reply, generate_greedy, raw_reply, valid_batches)
 from modeserve.service.router.app import RouterApp
 from modeserve.service.router.in_process import start_serve
-from modeserve.service.rpc.convert import BatchLimits
+from modeserve.service.rpc.batch_checks import BatchLimits
 from modeserve.service.rpc.engine_client import engine_healthy
 from modeserve.service.rpc.engine_server import create_engine_server
 from tests.service.http_fixtures import tiny_model_with_tokenizer
