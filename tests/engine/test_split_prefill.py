@@ -7,7 +7,7 @@ everything it held, on the scheduler's KV pool and in the engine."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -46,8 +46,10 @@ def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                                                                               for p in LONG]
 
 
-def mixed_workload(llm: LLM, short: list[list[int]], long: list[list[int]]) -> list[list[int]]:
-    """The short prompts decode a few tokens; then the long ones arrive; every output."""
+def mixed_workload(llm: LLM, short: list[list[int]], long: list[list[int]],
+                   run: Callable[[Callable[[], bool]], None] | None = None) -> list[list[int]]:
+    """The short prompts decode a few tokens; then the long ones arrive and ``run`` (default: the
+    engine's loop) steps until every request is finished; every output."""
     first = [llm.make_request(p, SHORT_GREEDY) for p in short]
     for r in first:
         llm.add_request(r)
@@ -55,7 +57,7 @@ def mixed_workload(llm: LLM, short: list[list[int]], long: list[list[int]]) -> l
     later = [llm.make_request(p, GREEDY) for p in long]
     for r in later:
         llm.add_request(r)
-    llm.run_until(lambda: all(r.finished for r in first + later))
+    (run or llm.run_until)(lambda: all(r.finished for r in first + later))
     return [list(r.output_ids) for r in first + later]
 
 

@@ -16,7 +16,7 @@ from modeserve.engine.runner.host_io import PendingResult
 from modeserve.engine.scheduler.scheduled_step import ScheduledStep
 from modeserve.engine.step_loop import PendingStep
 from tests.engine.test_split_prefill import (GREEDY, LONG, NEW_TOKENS, SHORT, SHORT_GREEDY, SHORT_TOKENS, SPLIT, _idle,
-                                             tiny_llama_4)
+                                             mixed_workload, tiny_llama_4)
 from tests.engine.tiny_models import load_reference, reference_greedy
 
 __all__ = ["tiny_llama_4"]  # the fixture
@@ -90,17 +90,10 @@ def _run(llm: LLM, steps: _Steps, reqs: list[Req]) -> None:
 def test_decodes_overtake_the_last_slice_and_outputs_equal_transformers(tiny_llama_4: Path) -> None:
     llm = _llm(tiny_llama_4)
     steps = _Steps(llm)
-    first = [llm.make_request(p, SHORT_GREEDY) for p in SHORT]
-    for r in first:
-        llm.add_request(r)
-    llm.run_until(lambda: all(len(r.output_ids) >= 3 for r in first))
-    later = [llm.make_request(p, GREEDY) for p in LONG]
-    for r in later:
-        llm.add_request(r)
-    _run(llm, steps, first + later)
+    outputs = mixed_workload(llm, SHORT, LONG, lambda done: llm.step_loop(steps, _LateSlices(llm)).run(done))
     ref = load_reference(tiny_llama_4)
-    assert [list(r.output_ids) for r in first] == [reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT]
-    assert [list(r.output_ids) for r in later] == [reference_greedy(ref, p, NEW_TOKENS) for p in LONG]
+    assert outputs == ([reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT]
+                       + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG])
     assert steps.overtaken() == len(LONG)  # every long prompt's last slice
     assert steps.before_first_token == []
     assert _idle(llm) and llm.runner.split.held_slots == ()
