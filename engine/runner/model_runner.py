@@ -26,7 +26,8 @@ from .draft_model import DraftModel
 from .host_io import PendingResult, upload
 from .piecewise_graphs import PiecewiseExtend
 from .slot_state import SlotState
-from .side_stream import SideStream, runs_beside
+from .input_fences import InputFences, on_side_lane
+from .side_stream import SideStream
 from .split_prefill import SplitPrefill
 from .step_result import Launched, StepSampler, dllm_block_index
 from ..distributed.group import TpGroup
@@ -79,9 +80,7 @@ class ModelRunner:
         self.dtype = torch_dtype(cfg.torch_dtype_name)
         self.max_context = min(cfg.max_context_len or ckpt.config.max_position_embeddings,
                                ckpt.config.max_position_embeddings)
-        # per lane (a split's slices on the side stream, or not): when the device had the host buffers of
-        # the lane's last step
-        self._inputs_consumed: dict[bool, torch.cuda.Event] = {}
+        self._fences = InputFences(self.device, cfg.enable_split_prefill_overlap)
         self._step = Launched()  # what the step being launched leaves for its sampling
         self._init_model(ckpt, progress)
         self._init_memory()
@@ -204,7 +203,7 @@ class ModelRunner:
             return self._logits(batch)
         with self.side_stream.lane(batch):
             logits = self._logits(batch)
-        return self.side_stream.hand_over(logits) if self._on_side_stream(batch) else logits
+        return self.side_stream.hand_over(logits) if on_side_lane(batch) else logits
 
     def _send(self, method: str, batch: ForwardBatch) -> None:
         """Rank 0 of a tensor-parallel engine: the other ranks run ``method`` on ``batch`` too."""
@@ -217,7 +216,7 @@ class ModelRunner:
         self.split.release(batch.released_slots)
         if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
             self.split.check(batch)  # before anything is recorded
-        self._wait_inputs_consumed(batch)
+        self._fences.wait(batch)
         for adm in batch.admissions:
             self.slots.admit(adm)
         for upd in batch.slot_updates:
@@ -243,7 +242,7 @@ class ModelRunner:
         inputs = self._record(batch, chained, rows, positions, out_cache_loc, input_ids, req_pool, seq_lens)
         input_ids = self._drafted(batch, input_ids, out_cache_loc, req_pool, rows, positions)
         self.attn.init_forward_metadata(inputs)
-        self._mark_inputs_consumed(batch)
+        self._fences.mark(batch)
         self._step.input_ids, self._step.positions = input_ids, positions  # a verify step's acceptance reads them
         pieces = self.piecewise if batch.forward_mode in _PIECEWISE_MODES else None
         bucket = pieces.bucket_for(batch.num_tokens) if pieces is not None else None
@@ -342,7 +341,7 @@ class ModelRunner:
         if drafted is not rows.input_ids:  # a decode step copies nothing
             rows.input_ids.copy_(drafted)
         self.attn.init_replay(inputs, bucket)
-        self._mark_inputs_consumed(batch)
+        self._fences.mark(batch)
         self._step.input_ids, self._step.positions = rows.input_ids, rows.positions
         if graphs.q == 1 and batch.sample_mask.all():
             self._step.sample_slots = rows.req_pool_indices
@@ -354,25 +353,6 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(ForwardMode.DECODE, batch.padded_batch_size)
         if bucket is not None:
             self._replay(batch, self.graphs, bucket)  # no rows: the upload writes padding only
-
-    def _on_side_stream(self, batch: ForwardBatch) -> bool:
-        return self.side_stream is not None and batch.forward_mode == ForwardMode.SPLIT_PREFILL
-
-    def _wait_inputs_consumed(self, batch: ForwardBatch) -> None:
-        """Earlier steps' host buffers (attention plans reuse theirs) must have reached the device before
-        they are written again; only waits if the device is more than a step behind. A decode step beside
-        the slices shares no buffer with them (the decode wrappers have their own): it waits for its lane
-        alone, not for a slice that waits for the slice before it."""
-        lanes = [False] if self.side_stream is not None and runs_beside(batch) else [False, True]
-        for lane in lanes:
-            event = self._inputs_consumed.pop(lane, None)
-            if event is not None:
-                event.synchronize()
-
-    def _mark_inputs_consumed(self, batch: ForwardBatch) -> None:
-        if self.device.type == "cuda":
-            event = self._inputs_consumed[self._on_side_stream(batch)] = torch.cuda.Event()
-            event.record()
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> PendingResult[ForwardResult]:
