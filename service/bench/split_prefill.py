@@ -248,7 +248,13 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         for s in settings(args, args.chunk_sizes or defaults["chunk_sizes"],
                           args.split_budgets or defaults["split_budgets"], split_min):
-            windows, dtype = _run_setting(args, s, model, load_format, mc, long_prompts, decoder_prompts, solo)
+            try:
+                windows, dtype = _run_setting(args, s, model, load_format, mc, long_prompts, decoder_prompts, solo)
+            except ValueError as exc:  # a setting this machine refuses (no green contexts) leaves the others
+                if s.mode == "no_chunking":
+                    raise
+                yield {**head, "setting": s.label, "mode": s.mode, "params": s.params, "refused": str(exc)}
+                windows, dtype = [], ""
             gc.collect()  # the setting's engine goes before the next one is built
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
