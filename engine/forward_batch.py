@@ -83,9 +83,9 @@ class ForwardBatch:
     def num_samples(self) -> int:
         return int(self.sample_mask.sum())
 
-    def is_last_slice(self) -> bool:
-        """A SPLIT_PREFILL step of a prefill's last layers (it samples the first token)."""
-        return self.forward_mode == ForwardMode.SPLIT_PREFILL and bool(self.sample_mask.any())
+    def is_slice(self) -> bool:
+        """A SPLIT_PREFILL step: a slice of a prefill's layers (the last one samples the first token)."""
+        return self.forward_mode == ForwardMode.SPLIT_PREFILL
 
     def sample_token_index(self) -> np.ndarray:
         """[S] the tokens whose logits are sampled: a request's last with ``sample_mask`` set, or every

@@ -125,11 +125,11 @@ class LLM:
 
     def step_loop(self, source: StepSource[ScheduledStep], executor: Executor | None = None) -> StepLoop[ScheduledStep]:
         """The step loop of ``source`` on this engine (``executor``: in front of its runner): with overlap one
-        step in flight while the next is prepared, and a split prefill's last slice, which runs beside the
-        decode steps (``enable_split_prefill_overlap``), read when done rather than before their results."""
+        step in flight while the next is prepared, and a split prefill's slices, which run beside the decode
+        steps (``enable_split_prefill_overlap``), read when done rather than before their results."""
         beside = self.overlap and self.config.runner.enable_split_prefill_overlap
         return StepLoop(source, executor or self.runner, 2 if self.overlap else 1, self.scheduler.stats,
-                        ForwardBatch.is_last_slice if beside else None)
+                        ForwardBatch.is_slice if beside else None)
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats.get_stats()

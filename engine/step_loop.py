@@ -5,8 +5,9 @@ the ``StepSource`` (a scheduler, or a stream of batches from a router) and the `
 ``launch`` (the model runner in this process, or a gRPC stream to an engine). Overlap is carrying the
 launched steps into the next iteration: step N+1 is built and launched before step N's result is
 read, and a batch may refer to tokens not sampled yet (placeholders the engine resolves). A step the
-loop is told to ``defer`` (a split prefill's last slice, beside the decode steps) is waited for only
-once nothing else is in flight: until it is done, later steps' results overtake its.
+loop is told to ``defer`` (a split prefill's slice, beside the decode steps) is waited for only once
+nothing else is in flight: until it is done, later steps' results overtake its, so the host never
+waits for a slice while decode steps can go on.
 """
 
 from __future__ import annotations

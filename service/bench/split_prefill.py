@@ -27,7 +27,7 @@ from ...engine.config import RunnerConfig, SchedulerConfig
 from ...engine.default_model import default_model_path
 from ...engine.models.loader import open_checkpoint
 from ...engine.models.model_config import ModelConfig
-from ...engine.request import Req
+from ...engine.request import PLACEHOLDER, Req
 from ...engine.sampling_params import SamplingParams
 from .batch import add_batch, add_runner_flags, engine_kwargs, model_folder, random_prompts
 from .limits import device_name, ratio
@@ -121,13 +121,15 @@ def _split_slices(budget: int, prompt_len: int, num_layers: int) -> int:
 
 def _max_window_steps(s: Setting, prompt_len: int, num_layers: int, num_decoders: int) -> int:
     """A bound on the decode steps from a long prompt's arrival until every decoder has a token after its
-    first: what each decoder's KV grows by in one window."""
+    first: what each decoder's KV grows by in one window. Slices beside the decodes leave the decodes their
+    own pace while the slices queue on their stream: a wide margin then."""
     chunk = s.params["chunked_prefill_size"] or prompt_len
     r = s.params.get("max_prefill_ratio", 1.0)
     if s.mode == "mixed" and r < 1.0:  # a MIXED step's prefill share, as the scheduler caps it
         chunk = min(chunk, max(1, math.floor(r / (1.0 - r) * num_decoders)))
     slices = _split_slices(s.params["split_prefill_token_budget"], chunk, num_layers) if s.mode == "split_prefill" else 1
-    return math.ceil(prompt_len / chunk) * slices * s.params.get("split_prefill_decode_steps", 1) + 4
+    turns = math.ceil(prompt_len / chunk) * slices * s.params.get("split_prefill_decode_steps", 1) + 4
+    return turns * (8 if s.params.get("enable_split_prefill_overlap") else 1)
 
 
 def _sizes(args: argparse.Namespace, s: Setting, mc: ModelConfig, lens: list[int]) -> tuple[dict[str, Any], int]:
@@ -159,7 +161,9 @@ def _window(steps: TimedSteps, decoders: list[Req], prompt: list[int], steady_st
 
     def closed() -> bool:
         if any(d.finished for d in decoders):
-            raise RuntimeError("a decoder finished before the long prompt's window closed")
+            raise RuntimeError(f"a decoder finished before the {len(prompt)}-token prompt's window closed "
+                               f"(first token {'in' if req.output_ids[:1] != [PLACEHOLDER] else 'not in'}; steps "
+                               f"{dict(Counter(m for t, m in steps.step_modes if t > steps.arrived_at))})")
         return req.finished and all(times[d.rid][-1] > times[req.rid][0] for d in decoders)
 
     steps.run(closed)

@@ -71,8 +71,8 @@ class RankLoop:
         self._step_traces: list[RequestTrace] = []
         self._wake = threading.Event()
         self._stopped = False
-        # a last slice's result is read when done (the executors match results to steps)
-        self._steps = StepLoop(self, executor, policy.max_in_flight, scheduler.stats, ForwardBatch.is_last_slice)
+        # a split prefill slice's result is read when done (the executors match results to steps)
+        self._steps = StepLoop(self, executor, policy.max_in_flight, scheduler.stats, ForwardBatch.is_slice)
         self._thread = threading.Thread(target=self._run, name=f"rank-{name}", daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------------

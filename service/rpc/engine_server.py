@@ -89,8 +89,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                asyncio.get_running_loop())
         undecodable: list[str] = []
         reader = asyncio.ensure_future(stream.read(_decoded(request_iterator, undecodable)))
-        # a last slice beside the decode steps: its result goes out when done, after later steps' maybe
-        defer = ForwardBatch.is_last_slice if self._model_runner.side_stream is not None else None
+        # slices beside the decode steps: a slice's result goes out when done, after later steps' maybe
+        defer = ForwardBatch.is_slice if self._model_runner.side_stream is not None else None
         threading.Thread(target=stream.run, args=(self._runner, defer), name="forward-steps", daemon=True).start()
         try:
             while (item := await stream.results.get()) is not None:

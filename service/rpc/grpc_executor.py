@@ -1,7 +1,7 @@
 """The step loop's executor for a remote engine: one bidirectional ``Engine.Forward`` stream.
 
 Batches go out in launch order; results come back in that order, except that an engine may send a
-split prefill's last slice's after later steps' (it ran beside them), so a result is matched by its step.
+split prefill slice's after later steps' (it ran beside them), so a result is matched by its step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A split prefill's last slice beside the decode steps (``enable_split_prefill_overlap``): the step loop
-reads the decodes' results before the slice's while it is not done. On CPU every result is ready at once,
-so an executor in front of the runner holds each last slice's result back for a few launches: the outputs
+"""A split prefill's slices beside the decode steps (``enable_split_prefill_overlap``): the step loop
+reads the decodes' results before a slice's while it is not done. On CPU every result is ready at once,
+so an executor in front of the runner holds each slice's result back for a few launches: the outputs
 stay those of transformers, no decode step carries a request before its first token is known, and an
 abort while the last slice is out frees everything and fences its KV slots."""
 
@@ -21,7 +21,7 @@ from tests.engine.tiny_models import load_reference, reference_greedy
 
 __all__ = ["tiny_llama_4"]  # the fixture
 
-HOLD = 3  # launches after a last slice before its result is done
+HOLD = 5  # launches after a slice before its result is done (two decode steps go first)
 
 
 class _Late:
@@ -37,7 +37,7 @@ class _Late:
 
 
 class _LateSlices:
-    """The runner, with each last slice's result done only ``HOLD`` launches after it."""
+    """The runner, with each slice's result done only ``HOLD`` launches after it."""
 
     def __init__(self, llm: LLM) -> None:
         self.runner = llm.runner
@@ -46,7 +46,7 @@ class _LateSlices:
     def launch(self, batch: ForwardBatch) -> PendingStep:
         self.launches += 1
         pending = self.runner.launch(batch)
-        if batch.forward_mode == ForwardMode.SPLIT_PREFILL and batch.sample_mask.any():
+        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
             return _Late(pending, self)
         return pending
 
@@ -58,12 +58,14 @@ class _Steps:
         self.llm = llm
         self.launched: list[tuple[int, ForwardMode]] = []
         self.processed: list[int] = []
+        self.last_slices = 0
         self.before_first_token: list[str] = []  # requests in a decode step before their first token
 
     def next_step(self, idle: bool) -> ScheduledStep | None:
         step = self.llm.scheduler.schedule()
         if step is not None:
             self.launched.append((step.batch.step, step.batch.forward_mode))
+            self.last_slices += step.batch.is_slice() and bool(step.batch.sample_mask.any())
             if step.batch.forward_mode == ForwardMode.DECODE:
                 self.before_first_token += [r.rid for r in step.reqs if r.output_ids[0] == PLACEHOLDER]
         return step
@@ -73,7 +75,7 @@ class _Steps:
         self.llm.scheduler.process_result(step, result)
 
     def overtaken(self) -> int:
-        """Last slices whose result was read after a later step's."""
+        """Slices whose result was read after a later step's."""
         order = {s: i for i, s in enumerate(self.processed)}
         return sum(any(order[later] < order[s] for later, _ in self.launched if later > s)
                    for s, mode in self.launched if mode == ForwardMode.SPLIT_PREFILL and s in order)
@@ -87,14 +89,16 @@ def _run(llm: LLM, steps: _Steps, reqs: list[Req]) -> None:
     llm.step_loop(steps, _LateSlices(llm)).run(lambda: all(r.finished for r in reqs))
 
 
-def test_decodes_overtake_the_last_slice_and_outputs_equal_transformers(tiny_llama_4: Path) -> None:
+def test_decodes_overtake_the_slices_and_outputs_equal_transformers(tiny_llama_4: Path) -> None:
     llm = _llm(tiny_llama_4)
     steps = _Steps(llm)
     outputs = mixed_workload(llm, SHORT, LONG, lambda done: llm.step_loop(steps, _LateSlices(llm)).run(done))
     ref = load_reference(tiny_llama_4)
     assert outputs == ([reference_greedy(ref, p, SHORT_TOKENS) for p in SHORT]
                        + [reference_greedy(ref, p, NEW_TOKENS) for p in LONG])
-    assert steps.overtaken() == len(LONG)  # every long prompt's last slice
+    slices = sum(mode == ForwardMode.SPLIT_PREFILL for _, mode in steps.launched)
+    assert steps.last_slices == len(LONG) and slices > len(LONG)
+    assert steps.overtaken() == slices  # each a later step's result went first
     assert steps.before_first_token == []
     assert _idle(llm) and llm.runner.split.held_slots == ()
 
