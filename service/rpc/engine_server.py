@@ -80,7 +80,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     # ---- RPCs ----------------------------------------------------------------------------------
     async def Forward(self, request_iterator: AsyncIterator[forward_pb2.ForwardBatch],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[forward_pb2.ForwardResult]:
-        """Results in step order (a split prefill's last slice beside the decodes: when done); a bad batch or
+        """Results in step order (a split prefill's slices beside the decodes: when done); a bad batch or
         a failed forward ends only this stream."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is draining: it accepts no new Forward streams")
