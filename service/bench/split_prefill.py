@@ -17,7 +17,6 @@ import math
 import statistics
 import tempfile
 import time
-from collections import Counter
 from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
@@ -27,7 +26,7 @@ from ...engine.config import RunnerConfig, SchedulerConfig
 from ...engine.default_model import default_model_path
 from ...engine.models.loader import open_checkpoint
 from ...engine.models.model_config import ModelConfig
-from ...engine.request import PLACEHOLDER, Req
+from ...engine.request import Req
 from ...engine.sampling_params import SamplingParams
 from .batch import add_batch, add_runner_flags, engine_kwargs, model_folder, random_prompts
 from .limits import device_name, ratio
@@ -162,15 +161,14 @@ def _window(steps: TimedSteps, decoders: list[Req], prompt: list[int], steady_st
     def closed() -> bool:
         if any(d.finished for d in decoders):
             raise RuntimeError(f"a decoder finished before the {len(prompt)}-token prompt's window closed "
-                               f"(first token {'in' if req.output_ids[:1] != [PLACEHOLDER] else 'not in'}; steps "
-                               f"{dict(Counter(m for t, m in steps.step_modes if t > steps.arrived_at))})")
+                               f"(first token {'in' if times[req.rid] else 'not in'}; steps {steps.modes_between(steps.arrived_at)})")
         return req.finished and all(times[d.rid][-1] > times[req.rid][0] for d in decoders)
 
     steps.run(closed)
     arrived, first = steps.arrived_at, times[req.rid][0]
     return Window(len(prompt), [g for d in decoders for g in gaps_within(times[d.rid], start, arrived)],
                   [g for d in decoders for g in gaps_overlapping(times[d.rid], arrived, first)], first - arrived,
-                  req.output_ids[0], dict(Counter(m for t, m in steps.step_modes if arrived < t <= first)))
+                  req.output_ids[0], steps.modes_between(arrived, first))
 
 
 def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_format: str, mc: ModelConfig,

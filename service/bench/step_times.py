@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Callable
 
 from ...engine.forward_batch import ForwardResult
@@ -31,6 +31,10 @@ class TimedSteps:
     def run(self, stop: Callable[[], bool]) -> None:
         """Step until ``stop()`` (and nothing is in flight)."""
         self.llm.step_loop(self).run(stop)
+
+    def modes_between(self, begin: float, end: float = float("inf")) -> dict[str, int]:
+        """The steps whose result was read in (begin, end], by forward mode."""
+        return dict(Counter(m for t, m in self.step_modes if begin < t <= end))
 
     def tokens_since(self, rid: str, since: float) -> int:
         times = self.token_times[rid]

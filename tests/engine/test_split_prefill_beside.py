@@ -46,7 +46,7 @@ class _LateSlices:
     def launch(self, batch: ForwardBatch) -> PendingStep:
         self.launches += 1
         pending = self.runner.launch(batch)
-        if batch.forward_mode == ForwardMode.SPLIT_PREFILL:
+        if batch.is_slice():
             return _Late(pending, self)
         return pending
 
