@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -76,6 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.server: GrpcServer | None = None  # its readiness turns NOT_SERVING on Drain
         self.active_streams = 0  # these two: on the event loop only
         self.draining = False
+        self._steppers: list[tuple[ForwardStream, threading.Thread]] = []  # each stream's step thread
 
     # ---- RPCs ----------------------------------------------------------------------------------
     async def Forward(self, request_iterator: AsyncIterator[forward_pb2.ForwardBatch],
@@ -91,7 +93,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         reader = asyncio.ensure_future(stream.read(_decoded(request_iterator, undecodable)))
         # slices beside the decode steps: a slice's result goes out when done, after later steps' maybe
         defer = ForwardBatch.is_slice if self._model_runner.side_stream is not None else None
-        threading.Thread(target=stream.run, args=(self._runner, defer), name="forward-steps", daemon=True).start()
+        stepper = threading.Thread(target=stream.run, args=(self._runner, defer), name="forward-steps", daemon=True)
+        self._steppers = [(s, t) for s, t in self._steppers if t.is_alive()] + [(stream, stepper)]
+        stepper.start()
         try:
             while (item := await stream.results.get()) is not None:
                 if isinstance(item, StepError):
@@ -104,6 +108,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:  # ended, failed or cancelled: the reader's end stops the steps
             self.active_streams -= 1
             reader.cancel()
+
+    def end_streams(self, timeout: float) -> None:
+        """Stop every stream's steps after those in flight and wait up to ``timeout`` seconds for them: a
+        step still running in the model while the process exits would abort it (SIGABRT)."""
+        deadline = time.monotonic() + timeout
+        for stream, stepper in self._steppers:
+            stream.ended = True
+            stepper.join(max(0.0, deadline - time.monotonic()))
 
     async def Describe(self, request: engine_pb2.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> engine_pb2.EngineDescription:
@@ -150,9 +162,12 @@ class EngineServer:
     def port(self) -> int:
         return self.server.port
 
-    def stop(self, grace: float) -> None:
-        """Report NOT_SERVING, refuse new streams, let running ones finish within ``grace`` seconds."""
+    def stop(self, grace: float, step_wait: float = 30.0) -> None:
+        """Report NOT_SERVING, refuse new streams, let running ones finish within ``grace`` seconds; then
+        wait up to ``step_wait`` more for the steps still in flight (a process that exits in the middle of
+        one aborts)."""
         self.server.shutdown(grace)
+        self.servicer.end_streams(step_wait)
         self.events.close()
         if self.metrics is not None:
             self.metrics.stop()

@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -242,6 +243,34 @@ def test_drain_refuses_new_streams_and_lets_running_ones_finish(runner: ModelRun
             running.close()
             second = stub.Drain(engine_pb2.DrainRequest())
             assert (second.drained, second.active_streams) == (True, 0)
+    finally:
+        srv.stop(0)
+
+
+def test_stop_waits_for_the_step_in_flight_of_an_open_stream(runner: ModelRunner,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream still open at shutdown, its step running past the grace period: ``stop`` returns once that
+    step is done and its thread gone (a step left running in the model while the process exits aborts it)."""
+    srv = create_engine_server(runner, "127.0.0.1:0")
+    launch, started = runner.launch, threading.Event()
+
+    def slow_launch(batch: ForwardBatch) -> object:
+        started.set()
+        time.sleep(1.5)
+        return launch(batch)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            stub = engine_pb2_grpc.EngineStub(ch)
+            batch = first_batch(stub.Describe(engine_pb2.DescribeRequest()))
+            monkeypatch.setattr(runner, "launch", slow_launch)
+            requests: queue.Queue[forward_pb2.ForwardBatch | None] = queue.Queue()
+            responses = stub.Forward(iter(requests.get, None))
+            requests.put(batch)
+            assert started.wait(30)
+            srv.stop(0.5)  # the step outlasts the grace period
+            assert [t for t in threading.enumerate() if t.name == "forward-steps"] == []
+            responses.cancel()
     finally:
         srv.stop(0)
 
