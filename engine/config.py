@@ -42,9 +42,9 @@ class RunnerConfig:
     # CUDA: a split prefill's slices on a stream of their own, beside the decode steps that take turns
     # with them (SchedulerConfig.enable_split_prefill), instead of after them
     enable_split_prefill_overlap: bool = False
-    # > 0: the GPU's SMs cut in two (CUDA green contexts, through flashinfer.green_ctx and cuda-python):
-    # those slices on this many (rounded up to the driver's granularity, 8 on Hopper), the decode steps
-    # launched while slices are queued on the rest; 0: no partition
+    # > 0: those slices run on this many of the GPU's SMs (a CUDA green context through flashinfer.green_ctx,
+    # which needs cuda-python; fewer where the others round up to the driver's granularity, 8 SMs on
+    # Hopper), the others kept as one group for the decode steps' kernels; 0: no partition
     split_prefill_overlap_sms: int = 0
 
     def __post_init__(self) -> None:

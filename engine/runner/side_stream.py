@@ -2,11 +2,12 @@
 decode steps' graphs that take turns with them run beside them instead of after, on a stream of higher
 priority than the slices' (``beside``): the GPU gives freed SMs to a decode's kernels before a slice's next
 blocks, so a slice's large GEMMs do not hold a decode back by more than the blocks already running.
-With ``split_prefill_overlap_sms`` the GPU's SMs are cut in two (CUDA green contexts): the slices run on
-that many, and a decode step launched while slices are queued runs on the others, so that neither waits
-for the SMs the other holds (a slice's persistent GEMM keeps every SM it is given, and the kernels of a
-decode beside it on the same SMs start only as its blocks end); a decode step with no slice queued
-runs on every SM.
+With ``split_prefill_overlap_sms`` the slices' stream belongs to a CUDA green context of that many SMs (or
+fewer, the others being split off in the driver's granularity): kernels that keep every SM they are given
+(persistent GEMMs) then leave the others to the decodes. The
+device's SMs are split into a group of those others, which the decodes' kernels may use, and the
+slices' remainder: a split's groups can host thread-block clusters, its remainder need not, and a decode's
+cluster GEMM that finds no room for a cluster among the SMs a slice leaves waits for that slice's kernel.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -19,12 +20,15 @@ nothing to order."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator
 
 import torch
 
 from ..forward_batch import ForwardBatch
 from ..forward_mode import ForwardMode
+
+logger = logging.getLogger(__name__)
 
 # steps that neither write nor plan anything a slice reads, so they may run beside one
 _BESIDE = (ForwardMode.DECODE, ForwardMode.IDLE)
@@ -39,9 +43,10 @@ def runs_beside(batch: ForwardBatch) -> bool:
     return batch.forward_mode in _BESIDE
 
 
-def partitioned_streams(device: torch.device, num_sms: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """Two streams on disjoint SMs of ``device`` (CUDA green contexts): one on ``num_sms`` of them (as the
-    driver rounds it: a multiple of 8 on Hopper), one on the rest."""
+def partitioned_stream(device: torch.device, num_sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels run on ``num_sms`` of ``device``'s SMs (a CUDA green context): the device's
+    SM resource split into a group of the others, which any kernel of the primary context may use (its
+    thread-block clusters included: a split's groups keep them, its remainder need not), and that remainder."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < num_sms < total:
         raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
@@ -49,30 +54,29 @@ def partitioned_streams(device: torch.device, num_sms: int) -> tuple[torch.cuda.
         from flashinfer.green_ctx import split_device_green_ctx_by_sm_count
     except ImportError as exc:  # FlashInfer's green contexts need cuda-python's driver bindings
         raise ValueError(f"split_prefill_overlap_sms needs CUDA green contexts (flashinfer.green_ctx): {exc}") from exc
+    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        streams, resources = split_device_green_ctx_by_sm_count(device, [num_sms])
-    except RuntimeError as exc:  # a count the driver cannot split off (too many once rounded)
+        streams, resources = split_device_green_ctx_by_sm_count(torch.device("cuda", index), [total - num_sms])
+    except RuntimeError as exc:  # a count the driver cannot split off
         raise ValueError(f"split_prefill_overlap_sms={num_sms}: {exc}") from exc
     if resources[1].sm.smCount == 0:
-        raise ValueError(f"split_prefill_overlap_sms={num_sms} takes every SM once rounded to the device's "
-                         f"granularity ({resources[0].sm.smCount} of {total})")
-    return streams[0], streams[1]
+        raise ValueError(f"split_prefill_overlap_sms={num_sms} leaves no SM to the slices once the others are "
+                         f"rounded to the driver's granularity (8 SMs on Hopper)")
+    logger.info("split prefill slices on %d of %d SMs (%d asked for)", resources[1].sm.smCount, total, num_sms)
+    return streams[1]
 
 
 class SideStream:
     def __init__(self, device: torch.device, num_sms: int = 0) -> None:
-        """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps beside them on
-        the others."""
+        """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any."""
         cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None
-        self.decode_partition: torch.cuda.Stream | None = None  # the SMs the slices leave, if cut
         if cuda and num_sms:
-            self.stream, self.decode_partition = partitioned_streams(device, num_sms)
+            self.stream = partitioned_stream(device, num_sms)
         elif cuda:
             self.stream = torch.cuda.Stream(device)
         self.decode_stream = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if cuda else None
         self._mark: torch.cuda.Event | None = None  # the main stream after its last step a slice may read
-        self._slices_end: torch.cuda.Event | None = None  # the side stream after the last slice queued
 
     @contextlib.contextmanager
     def lane(self, batch: ForwardBatch) -> Iterator[None]:
@@ -93,16 +97,11 @@ class SideStream:
         if self.decode_stream is None or not runs_beside(batch):
             yield
             return
-        lane = self.decode_partition if self.decode_partition is not None and self._slices_queued() else self.decode_stream
         main = torch.cuda.current_stream()
-        lane.wait_stream(main)
-        with torch.cuda.stream(lane):
+        self.decode_stream.wait_stream(main)
+        with torch.cuda.stream(self.decode_stream):
             yield
-        main.wait_stream(lane)
-
-    def _slices_queued(self) -> bool:
-        """Whether a slice launched may still be running (asks the device; waits for nothing)."""
-        return self._slices_end is not None and not self._slices_end.query()
+        main.wait_stream(self.decode_stream)
 
     def _before(self, batch: ForwardBatch) -> None:
         """Before a main-stream step: wait for the slices where it may touch what they use."""
@@ -125,7 +124,6 @@ class SideStream:
             self.stream.wait_event(self._mark)
         with torch.cuda.stream(self.stream):
             yield
-        self._slices_end = self.stream.record_event()
 
     def hand_over(self, logits: torch.Tensor) -> torch.Tensor:
         """A last slice's logits, for a caller on the main stream (``ModelRunner.compute_logits``)."""

@@ -78,8 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-decode-steps", type=int, nargs="+", default=[1, 3],
                    help="CUDA: split_prefill_decode_steps of the settings whose slices run beside the decodes")
     p.add_argument("--overlap-sms", type=int, nargs="+", default=[0],
-                   help="CUDA: split_prefill_overlap_sms of those settings (0: the slices on every SM; N: the slices "
-                        "on N, the decodes beside them on the rest)")
+                   help="CUDA: split_prefill_overlap_sms of those settings (0: the slices on every SM)")
     p.add_argument("--num-decoders", type=int, default=32)
     p.add_argument("--decoder-prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
