@@ -43,10 +43,11 @@ def runs_beside(batch: ForwardBatch) -> bool:
     return batch.forward_mode in _BESIDE
 
 
-def partitioned_stream(device: torch.device, num_sms: int) -> torch.cuda.Stream:
+def partitioned_stream(device: torch.device, num_sms: int) -> tuple[torch.cuda.Stream, int]:
     """A stream whose kernels run on ``num_sms`` of ``device``'s SMs (a CUDA green context): the device's
     SM resource split into a group of the others, which any kernel of the primary context may use (its
-    thread-block clusters included: a split's groups keep them, its remainder need not), and that remainder."""
+    thread-block clusters included: a split's groups keep them, its remainder need not), and that remainder;
+    with the number of SMs it has."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < num_sms < total:
         raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
@@ -63,7 +64,7 @@ def partitioned_stream(device: torch.device, num_sms: int) -> torch.cuda.Stream:
         raise ValueError(f"split_prefill_overlap_sms={num_sms} leaves no SM to the slices once the others are "
                          f"rounded to the driver's granularity (8 SMs on Hopper)")
     logger.info("split prefill slices on %d of %d SMs (%d asked for)", resources[1].sm.smCount, total, num_sms)
-    return streams[1]
+    return streams[1], int(resources[1].sm.smCount)
 
 
 class SideStream:
@@ -71,8 +72,9 @@ class SideStream:
         """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any."""
         cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None
+        self.slice_sms = 0  # the SMs the slices' kernels run on; 0: every SM
         if cuda and num_sms:
-            self.stream = partitioned_stream(device, num_sms)
+            self.stream, self.slice_sms = partitioned_stream(device, num_sms)
         elif cuda:
             self.stream = torch.cuda.Stream(device)
         self.decode_stream = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if cuda else None

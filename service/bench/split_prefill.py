@@ -173,8 +173,9 @@ def _window(steps: TimedSteps, decoders: list[Req], prompt: list[int], steady_st
 
 def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_format: str, mc: ModelConfig,
                  long_prompts: dict[int, list[int]], decoder_prompts: list[list[int]],
-                 solo: dict[int, tuple[float, int]]) -> tuple[list[Window], str]:
-    """This setting's windows (and the engine's dtype); the no-chunking engine fills ``solo`` first."""
+                 solo: dict[int, tuple[float, int]]) -> tuple[list[Window], dict[str, Any]]:
+    """This setting's windows, and what its engine was (dtype; the SMs of the slices beside the decodes);
+    the no-chunking engine fills ``solo`` first."""
     from ...engine.llm import LLM
 
     sizes, new_tokens = _sizes(args, s, mc, list(long_prompts))
@@ -193,7 +194,12 @@ def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_f
     if llm.scheduler.stats.num_retractions:
         raise RuntimeError(f"{s.label}: requests were preempted (KV pool of {llm.runner.num_kv_slots} tokens); "
                            "raise --kv-cache-tokens")
-    return windows, str(llm.runner.dtype).removeprefix("torch.")
+    engine: dict[str, Any] = {"dtype": str(llm.runner.dtype).removeprefix("torch.")}
+    side = llm.runner.side_stream
+    if side is not None and side.stream is not None:  # the driver may round split_prefill_overlap_sms down
+        every = torch.cuda.get_device_properties(side.stream.device).multi_processor_count
+        engine["slice_sms"] = side.slice_sms or every
+    return windows, engine
 
 
 def _row(args: argparse.Namespace, s: Setting, w: Window, solo: tuple[float, int],
@@ -251,17 +257,17 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         for s in settings(args, args.chunk_sizes or defaults["chunk_sizes"],
                           args.split_budgets or defaults["split_budgets"], split_min):
             try:
-                windows, dtype = _run_setting(args, s, model, load_format, mc, long_prompts, decoder_prompts, solo)
+                windows, engine = _run_setting(args, s, model, load_format, mc, long_prompts, decoder_prompts, solo)
             except ValueError as exc:  # a setting this machine refuses (no green contexts) leaves the others
                 if s.mode == "no_chunking":
                     raise
                 yield {**head, "setting": s.label, "mode": s.mode, "params": s.params, "refused": str(exc)}
-                windows, dtype = [], ""
+                windows, engine = [], {}
             gc.collect()  # the setting's engine goes before the next one is built
             if torch.device(args.device).type == "cuda":
                 torch.cuda.empty_cache()
             for w in windows:
-                rows.append(_row(args, s, w, solo[w.prompt_len], {**head, "dtype": dtype}))
+                rows.append(_row(args, s, w, solo[w.prompt_len], {**head, **engine}))
                 yield rows[-1]
         for n in lens:
             yield _summary(args, [r for r in rows if r["prompt_len"] == n], {**head, "dtype": rows[0]["dtype"]})
