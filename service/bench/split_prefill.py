@@ -12,11 +12,13 @@ longest prompt: nothing is preempted (checked), and no decoder finishes before a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
@@ -51,6 +53,7 @@ class Window(NamedTuple):
     ttft: float
     first_token: int
     steps: dict[str, int]  # the steps whose result came in that window, by forward mode
+    trace: str | None = None  # its torch.profiler trace (--trace-dir)
 
 
 def _device_defaults(device: str) -> dict[str, list[int]]:
@@ -87,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool (default: what a setting needs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 on a busy machine: idle threads spin otherwise)")
+    p.add_argument("--trace-dir", default=None,
+                   help="also trace each window with torch.profiler (host ops; CUDA kernels on every stream): a "
+                        "gzipped Chrome trace per (setting, prompt length) there, named in its row ('trace')")
     p.add_argument("--goal-itl-p99", type=float, default=1.5, help="goal: p99 ITL / steady ITL at most this")
     p.add_argument("--goal-ttft", type=float, default=1.25, help="goal: TTFT / solo prefill at most this")
 
@@ -171,6 +177,22 @@ def _window(steps: TimedSteps, decoders: list[Req], prompt: list[int], steady_st
                   req.output_ids[0], steps.modes_between(arrived, first))
 
 
+@contextlib.contextmanager
+def _traced(folder: str | None, name: str, device: torch.device) -> Iterator[str | None]:
+    """Profile the block into ``folder``/``name``.json.gz (nothing without a folder); the path."""
+    if folder is None:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path = str(Path(folder) / f"{name}.json.gz")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield path
+    prof.export_chrome_trace(path)
+
+
 def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_format: str, mc: ModelConfig,
                  long_prompts: dict[int, list[int]], decoder_prompts: list[list[int]],
                  solo: dict[int, tuple[float, int]]) -> tuple[list[Window], dict[str, Any]]:
@@ -190,7 +212,10 @@ def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_f
     decoders = add_batch(llm, decoder_prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
                                                               ignore_eos=True))
     steps.run(lambda: all(len(d.output_ids) >= args.warmup_steps for d in decoders))
-    windows = [_window(steps, decoders, prompt, args.steady_steps) for prompt in long_prompts.values()]
+    windows = []
+    for n, prompt in long_prompts.items():
+        with _traced(args.trace_dir, f"{s.label}-{n}", llm.runner.device) as trace:
+            windows.append(_window(steps, decoders, prompt, args.steady_steps)._replace(trace=trace))
     if llm.scheduler.stats.num_retractions:
         raise RuntimeError(f"{s.label}: requests were preempted (KV pool of {llm.runner.num_kv_slots} tokens); "
                            "raise --kv-cache-tokens")
@@ -214,7 +239,7 @@ def _row(args: argparse.Namespace, s: Setting, w: Window, solo: tuple[float, int
             "itl_p99_ms": _ms(p99), "itl_p99_vs_steady": ratio(itl_ratio), "itl_max_ms": _ms(max(w.gaps)),
             "num_gaps": len(w.gaps), "ttft_ms": _ms(w.ttft), "solo_prefill_ms": _ms(solo[0]),
             "ttft_vs_solo": ratio(ttft_ratio), "window_steps": w.steps, "first_token": w.first_token,
-            "first_token_matches_solo": w.first_token == solo[1],
+            "first_token_matches_solo": w.first_token == solo[1], **({"trace": w.trace} if w.trace else {}),
             "meets_goal": itl_ratio <= args.goal_itl_p99 and ttft_ratio <= args.goal_ttft}
 
 

@@ -6,10 +6,12 @@ its reference."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +80,25 @@ def test_every_ratio_is_its_figure_over_its_reference(lines: list[dict]) -> None
         assert r["ttft_vs_solo"] == pytest.approx(r["ttft_ms"] / r["solo_prefill_ms"], rel=0.01)
         at_edge = abs(r["itl_p99_vs_steady"] - 1.5) < 0.01 or abs(r["ttft_vs_solo"] - 1.25) < 0.01  # rounding
         assert at_edge or r["meets_goal"] == (r["itl_p99_vs_steady"] <= 1.5 and r["ttft_vs_solo"] <= 1.25)
+
+
+def test_trace_dir_records_each_window(tmp_path: Path) -> None:
+    """``--trace-dir``: each row names a gzipped Chrome trace of its window, whose host ops span at least
+    the long prompt's TTFT (the window it recorded)."""
+    shape = tmp_path / "config.json"
+    shape.write_text(json.dumps({**preset_config("tiny"), "num_hidden_layers": 4}))
+    done = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "bench", "split-prefill", "--shape", str(shape),
+                           "--num-decoders", "2", "--decoder-prompt-len", "16", "--prompt-lens", "96",
+                           "--chunk-sizes", "32", "--split-budgets", "96", "--mixed-prefill-ratios", "0.9",
+                           "--warmup-steps", "2", "--steady-steps", "2", "--solo-repeats", "1", "--threads", "1",
+                           "--trace-dir", str(tmp_path / "traces")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in map(json.loads, done.stdout.splitlines()) if not r.get("summary")]
+    assert [r["setting"] for r in rows] == ["no-chunking", "chunked-32", "mixed-0.9", "split-96"]
+    for r in rows:
+        assert r["trace"] == str(tmp_path / "traces" / f"{r['setting']}-96.json.gz")
+        with gzip.open(r["trace"], "rt") as f:
+            ops = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "cpu_op"]
+        assert any(e["name"].startswith("aten::") for e in ops)
+        span_ms = (max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3
+        assert span_ms >= r["ttft_ms"]
