@@ -3,11 +3,11 @@ decode steps' graphs that take turns with them run beside them instead of after,
 priority than the slices' (``beside``): the GPU gives freed SMs to a decode's kernels before a slice's next
 blocks, so a slice's large GEMMs do not hold a decode back by more than the blocks already running.
 With ``split_prefill_overlap_sms`` the slices' stream belongs to a CUDA green context of that many SMs (or
-fewer, the others being split off in the driver's granularity): kernels that keep every SM they are given
-(persistent GEMMs) then leave the others to the decodes. The
-device's SMs are split into a group of those others, which the decodes' kernels may use, and the
-slices' remainder: a split's groups can host thread-block clusters, its remainder need not, and a decode's
-cluster GEMM that finds no room for a cluster among the SMs a slice leaves waits for that slice's kernel.
+fewer: the others are split off as one group, in the driver's granularity), so that kernels which keep
+every SM they are given (persistent GEMMs) leave the others to the decodes. The slices get the split's
+remainder and the decodes' SMs stay a group because a split's groups can host thread-block clusters and
+its remainder need not: a decode's cluster GEMM that finds no room for a cluster among the SMs a slice
+leaves waits for that slice's kernel to end.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -44,10 +44,8 @@ def runs_beside(batch: ForwardBatch) -> bool:
 
 
 def partitioned_stream(device: torch.device, num_sms: int) -> tuple[torch.cuda.Stream, int]:
-    """A stream whose kernels run on ``num_sms`` of ``device``'s SMs (a CUDA green context): the device's
-    SM resource split into a group of the others, which any kernel of the primary context may use (its
-    thread-block clusters included: a split's groups keep them, its remainder need not), and that remainder;
-    with the number of SMs it has."""
+    """A stream whose kernels run on ``num_sms`` of ``device``'s SMs, or fewer (the remainder of a green-context
+    split that leaves the others one group, as the module says), and the number of SMs it has."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < num_sms < total:
         raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
