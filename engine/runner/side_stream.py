@@ -70,11 +70,12 @@ class SideStream:
         """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any."""
         cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None
-        self.slice_sms = 0  # the SMs the slices' kernels run on; 0: every SM
+        self.slice_sms = 0  # the SMs the slices' kernels run on (CUDA)
         if cuda and num_sms:
             self.stream, self.slice_sms = partitioned_stream(device, num_sms)
         elif cuda:
             self.stream = torch.cuda.Stream(device)
+            self.slice_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.decode_stream = torch.cuda.Stream(device, priority=_DECODE_PRIORITY) if cuda else None
         self._mark: torch.cuda.Event | None = None  # the main stream after its last step a slice may read
 

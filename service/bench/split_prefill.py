@@ -221,9 +221,8 @@ def _run_setting(args: argparse.Namespace, s: Setting, model: str | None, load_f
                            "raise --kv-cache-tokens")
     engine: dict[str, Any] = {"dtype": str(llm.runner.dtype).removeprefix("torch.")}
     side = llm.runner.side_stream
-    if side is not None and side.stream is not None:  # the driver may round split_prefill_overlap_sms down
-        every = torch.cuda.get_device_properties(side.stream.device).multi_processor_count
-        engine["slice_sms"] = side.slice_sms or every
+    if side is not None and side.slice_sms:  # the driver may round split_prefill_overlap_sms down
+        engine["slice_sms"] = side.slice_sms
     return windows, engine
 
 
