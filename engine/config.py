@@ -46,12 +46,18 @@ class RunnerConfig:
     # which needs cuda-python; fewer where the others round up to the driver's granularity, 8 SMs on
     # Hopper), the others kept as one group for the decode steps' kernels; 0: no partition
     split_prefill_overlap_sms: int = 0
+    # CUDA: the linear layers of steps of 2 to 64 rows (decode batches): "cublas", or "triton"
+    # (kernels.triton.small_gemm: no thread-block clusters, so beside a slice its programs take SMs
+    # as the slice frees them, where a cuBLAS cluster waits for the slice's whole GEMM)
+    small_batch_gemm: str = "cublas"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
+        if self.small_batch_gemm not in ("cublas", "triton"):
+            raise ValueError(f"small_batch_gemm must be 'cublas' or 'triton', got {self.small_batch_gemm!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -12,6 +12,7 @@ import torch
 from . import accept, chain_verify, ops, sampling
 
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+SMALL_GEMM_MAX_ROWS = 64  # KernelOps.small_gemm's most rows (more: cuBLAS, the weights' reads no longer the whole cost)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class KernelOps:
     gemv_timer: Callable[[torch.Tensor, torch.Tensor | None], tuple[bool, float, float]] | None = None
     # the GEMV with an add+norm epilogue: add_rms_norm(gemv(x, w, b), residual, norm weight, eps)
     gemv_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # linear layers of a few rows without thread-block clusters, and its tuning before graph capture
+    # (weight, bias, max rows); RunnerConfig.small_batch_gemm
+    small_gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    small_gemm_prepare: Callable[[torch.Tensor, torch.Tensor | None, int], None] | None = None
 
 
 TORCH_OPS = KernelOps("torch", ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul, ops.store_kv,
@@ -60,7 +65,9 @@ def kernel_ops(name: str, device: torch.device) -> KernelOps:
     from .triton.rotary import store_kv
     from .triton.sampling import sample_sorted
     from .triton.slots import record_tokens
+    from .triton.small_gemm import prepare_small_gemm, small_gemm
 
     return KernelOps("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_and_mul,
                      store_kv, triton_ops.apply_rotary_and_store_kv, argmax, record_tokens, chain_verify_rows,
-                     accept_runs, sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm)
+                     accept_runs, sample_sorted, gemv, gemv_keeps_up, gemv_add_rms_norm, small_gemm,
+                     prepare_small_gemm)

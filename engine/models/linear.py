@@ -24,6 +24,9 @@ AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torc
 
 class Linear(nn.Linear):
     gemv: Gemv | None = None  # set on an instance when the timer chose the kernel for its shape
+    # set on an instance for inputs of 1 to small_gemm_rows rows the GEMV does not take (use_small_gemm)
+    small_gemm: Gemv | None = None
+    small_gemm_rows: int = 0
     gemv_add_norm: GemvAddNorm | None = None  # set with ``gemv`` where the kernel has the add+norm epilogue
     _counter: torch.Tensor | None = None  # the epilogue's counter (one per layer: kernels of a step may overlap),
     # allocated with ``gemv_add_norm`` by ``choose_gemv``, outside any graph capture
@@ -34,6 +37,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1:
             out = self.gemv(x, self.weight, self.bias)
+        elif self.small_gemm is not None and x.dim() == 2 and x.shape[0] <= self.small_gemm_rows:
+            out = self.small_gemm(x, self.weight, self.bias)
         else:
             out = super().forward(x)
         return out if self.combine is None else self.combine(out)
@@ -70,3 +75,19 @@ def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer,
               for (shape, bias, _), (use, g, c) in timed.items()}
     logger.info("one-row linear layers: %s", report)
     return report
+
+
+def use_small_gemm(model: nn.Module, small_gemm: Gemv, max_rows: int,
+                   prepare: Callable[[torch.Tensor, "torch.Tensor | None", int], None]) -> None:
+    """Give every ``Linear`` of the model ``small_gemm`` for inputs of up to ``max_rows`` rows, after
+    ``prepare`` (weight, bias, max_rows) has run it once per distinct weight shape (its tuning, outside
+    any graph capture)."""
+    prepared: set[tuple[tuple[int, ...], bool, torch.dtype]] = set()
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        key = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+        if key not in prepared:
+            prepare(module.weight, module.bias, max_rows)
+            prepared.add(key)
+        module.small_gemm, module.small_gemm_rows = small_gemm, max_rows

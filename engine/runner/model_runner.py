@@ -18,7 +18,7 @@ from ..config import RunnerConfig, SchedulerConfig
 from ..forward_batch import ForwardBatch, ForwardResult
 from ..forward_mode import ForwardMode
 from ..models.dllm_spec import DllmSpec
-from ..models.linear import choose_gemv
+from ..models.linear import choose_gemv, use_small_gemm
 from ..models.loader import Checkpoint, load_model, torch_dtype
 from .chained_verify import ChainedVerify, chained_rows, host_prefix_lens
 from .cuda_graph_runner import CudaGraphRunner
@@ -35,7 +35,7 @@ from ..distributed.shard import head_rows, local_config
 from ...kernels.attention.base import (AttentionInputs, create_attention_backend, one_block_a_request,
                                        resolve_backend_name)
 from ...kernels.attention.kv_cache import KVCache
-from ...kernels.op_set import kernel_ops
+from ...kernels.op_set import SMALL_GEMM_MAX_ROWS, kernel_ops
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,17 @@ class ModelRunner:
         if gemv is not None and self.kernel_ops.gemv_timer is not None and self.device.type == "cuda":
             self.gemv_report = choose_gemv(self.model, gemv, self.kernel_ops.gemv_timer,
                                            self.kernel_ops.gemv_add_rms_norm)
+        if self.cfg.small_batch_gemm == "triton":
+            self._use_small_gemm()
+
+    def _use_small_gemm(self) -> None:
+        ops = self.kernel_ops
+        if self.device.type != "cuda" or ops.small_gemm is None or ops.small_gemm_prepare is None:
+            raise ValueError("small_batch_gemm='triton' needs a CUDA device and the Triton kernels "
+                             f"(kernel_backend {self.cfg.kernel_backend!r} on {self.device})")
+        rows = min(SMALL_GEMM_MAX_ROWS, self.cfg.max_running_requests)
+        use_small_gemm(self.model, ops.small_gemm, rows, ops.small_gemm_prepare)
+        logger.info("linear layers of up to %d rows: Triton's small GEMM", rows)
 
     def _init_memory(self) -> None:
         mc = self.model_config

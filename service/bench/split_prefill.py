@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: split_prefill_decode_steps of the settings whose slices run beside the decodes")
     p.add_argument("--overlap-sms", type=int, nargs="+", default=[0],
                    help="CUDA: split_prefill_overlap_sms of those settings (0: the slices on every SM)")
+    p.add_argument("--overlap-gemms", choices=("cublas", "triton"), nargs="+", default=["cublas"],
+                   help="CUDA: small_batch_gemm of those settings (the decode steps' linear layers; "
+                        "triton: no thread-block clusters)")
     p.add_argument("--num-decoders", type=int, default=32)
     p.add_argument("--decoder-prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
@@ -111,11 +114,12 @@ def settings(args: argparse.Namespace, chunk_sizes: list[int], split_budgets: li
                                                    "split_prefill_min_tokens": split_min_tokens})
             for b in split_budgets]
     if args.device.startswith("cuda"):  # the slices on a stream of their own, beside the decode steps
-        out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else "") + (f"-sm{n}" if n else ""), "split_prefill",
+        out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else "") + (f"-sm{n}" if n else "")
+                        + ("-tgemm" if g == "triton" else ""), "split_prefill",
                         {**o.params, "enable_split_prefill_overlap": True, "split_prefill_decode_steps": d,
-                         "split_prefill_overlap_sms": n})
+                         "split_prefill_overlap_sms": n, **({"small_batch_gemm": g} if g != "cublas" else {})})
                 for b, o in zip(split_budgets, out[-len(split_budgets):]) for d in args.overlap_decode_steps
-                for n in args.overlap_sms]
+                for n in args.overlap_sms for g in args.overlap_gemms]
     return out
 
 

@@ -225,6 +225,8 @@ OVERLAP: dict[str, dict[str, Any]] = {
     "beside": dict(enable_split_prefill_overlap=True),
     "beside_three_decodes": dict(enable_split_prefill_overlap=True, split_prefill_decode_steps=3),
     "beside_on_16_sms": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16),
+    "beside_on_16_sms_triton_gemms": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16,
+                                          small_batch_gemm="triton"),
 }
 
 
@@ -318,3 +320,5 @@ def test_split_prefill_settings_out_of_range_are_refused() -> None:
         RunnerConfig(enable_split_prefill_overlap=True, split_prefill_overlap_sms=-1)
     with pytest.raises(ValueError, match="turn it on"):
         RunnerConfig(split_prefill_overlap_sms=64)
+    with pytest.raises(ValueError, match="small_batch_gemm must be 'cublas' or 'triton'"):
+        RunnerConfig(small_batch_gemm="cutlass")

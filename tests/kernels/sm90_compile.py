@@ -79,7 +79,7 @@ class Recorder:
 def _calls() -> None:
     """One call of each kernel wrapper per variant that compiles differently."""
     from modeserve.kernels.triton import (accept, activation, argmax, attention_decode, attention_extend, chain_verify,
-                                          gemv, norm, rotary, sampling, slots)
+                                          gemv, norm, rotary, sampling, slots, small_gemm)
 
     bf = torch.bfloat16
     d, hq, hkv, slots_n = 128, 8, 2, 64
@@ -89,6 +89,10 @@ def _calls() -> None:
     gemv.gemv(x, w, torch.randn(256, dtype=bf), config=(8, 256))
     gemv.gemv_add_rms_norm(x, w, None, torch.randn(1, 256, dtype=bf), torch.randn(256, dtype=bf), 1e-6,
                            torch.zeros(1, dtype=torch.int32), config=(8, 128))  # BLOCK_K != BLOCK_NORM
+    for rows in (3, 32):  # BLOCK_M 16 and 32
+        small_gemm.small_gemm(torch.randn(rows, 512, dtype=bf), w, None, config=(32, 128))
+    small_gemm.small_gemm(torch.randn(3, 512, dtype=bf), w, torch.randn(256, dtype=bf), config=(64, 64))
+    small_gemm.small_gemm(torch.randn(3, 512), w.float(), None, config=(32, 64))  # fp32: IEEE products
     h = torch.randn(3, 256, dtype=bf)
     norm.rms_norm(h, torch.randn(256, dtype=bf), 1e-6)
     norm.add_rms_norm(h, torch.randn(3, 256, dtype=bf), torch.randn(256, dtype=bf), 1e-6)

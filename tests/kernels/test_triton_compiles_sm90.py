@@ -26,7 +26,7 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
     names = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")}
     assert {"_gemv_kernel", "_decode_split_kernel", "_extend_kernel", "_rotary_kernel", "_record_tokens_kernel",
             "_row_argmax_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_chunk_mass_kernel", "_chunk_draw_kernel",
-            "_row_pick_kernel", "_chain_verify_kernel", "_accept_kernel"} <= names
+            "_row_pick_kernel", "_chain_verify_kernel", "_accept_kernel", "_small_gemm_kernel"} <= names
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
