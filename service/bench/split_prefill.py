@@ -71,12 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--chunk-sizes", "chunk_sizes", "chunked_prefill_size of the chunked settings"),
                             ("--split-budgets", "split_budgets", "split_prefill_token_budget (tokens x layers a "
                                                                  "step) of the SPLIT_PREFILL settings")):
-        p.add_argument(flag, type=int, nargs="+", default=None,
+        p.add_argument(flag, type=int, nargs="+" if key == "prompt_lens" else "*", default=None,
                        help=f"{what} (default: {' '.join(map(str, cuda[key]))} on CUDA, "
-                            f"{' '.join(map(str, cpu[key]))} on CPU)")
+                            f"{' '.join(map(str, cpu[key]))} on CPU; none given: none of those settings)")
     p.add_argument("--split-min-tokens", type=int, default=None,
                    help="split_prefill_min_tokens (default: the config's, or the shortest prompt if that is shorter)")
-    p.add_argument("--mixed-prefill-ratios", type=float, nargs="+", default=[SchedulerConfig.max_prefill_ratio, 0.9],
+    p.add_argument("--mixed-prefill-ratios", type=float, nargs="*", default=[SchedulerConfig.max_prefill_ratio, 0.9],
                    help="max_prefill_ratio of the MIXED settings")
     p.add_argument("--overlap-decode-steps", type=int, nargs="+", default=[1, 3],
                    help="CUDA: split_prefill_decode_steps of the settings whose slices run beside the decodes")
@@ -282,8 +282,8 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                                 "decoder_prompt_len": args.decoder_prompt_len}
         solo: dict[int, tuple[float, int]] = {}
         rows: list[dict[str, Any]] = []
-        for s in settings(args, args.chunk_sizes or defaults["chunk_sizes"],
-                          args.split_budgets or defaults["split_budgets"], split_min):
+        for s in settings(args, defaults["chunk_sizes"] if args.chunk_sizes is None else args.chunk_sizes,
+                          defaults["split_budgets"] if args.split_budgets is None else args.split_budgets, split_min):
             try:
                 windows, engine = _run_setting(args, s, model, load_format, mc, long_prompts, decoder_prompts, solo)
             except ValueError as exc:  # a setting this machine refuses (no green contexts) leaves the others

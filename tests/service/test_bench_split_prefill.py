@@ -102,3 +102,24 @@ def test_trace_dir_records_each_window(tmp_path: Path) -> None:
         assert any(e["name"].startswith("aten::") for e in ops)
         span_ms = (max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3
         assert span_ms >= r["ttft_ms"]
+
+
+def test_settings_lists_given_empty_leave_those_settings_out() -> None:
+    """``--chunk-sizes`` and ``--mixed-prefill-ratios`` with no value: no chunked or MIXED setting (not the
+    defaults); the overlap settings cross decode steps, SM counts and decode GEMMs."""
+    import argparse
+
+    from modeserve.service.bench import split_prefill
+
+    p = argparse.ArgumentParser()
+    split_prefill.add_arguments(p)
+    args = p.parse_args(["--device", "cuda", "--prompt-lens", "64", "--chunk-sizes", "--mixed-prefill-ratios",
+                         "--split-budgets", "64", "--overlap-decode-steps", "1", "--overlap-sms", "0", "108",
+                         "--overlap-gemms", "triton", "cublas"])
+    assert args.chunk_sizes == [] and args.mixed_prefill_ratios == []
+    got = {s.label: s.params for s in split_prefill.settings(args, args.chunk_sizes, args.split_budgets, 32)}
+    assert list(got) == ["no-chunking", "split-64", "split-64-overlap-tgemm", "split-64-overlap",
+                         "split-64-overlap-sm108-tgemm", "split-64-overlap-sm108"]
+    assert got["split-64-overlap-sm108-tgemm"]["small_batch_gemm"] == "triton"
+    assert "small_batch_gemm" not in got["split-64-overlap-sm108"]
+    assert got["split-64-overlap-sm108"]["split_prefill_overlap_sms"] == 108
