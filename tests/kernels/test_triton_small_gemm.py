@@ -64,3 +64,18 @@ def test_use_small_gemm_gives_linear_layers_the_kernel_for_few_rows() -> None:
     calls.clear()
     model(torch.randn(5, 8))  # more rows than it was given: nn.Linear's own path
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 17, 32, SMALL_GEMM_MAX_ROWS])
+def test_cuda_small_gemm_autotuned_equals_linear_in_bf16(m: int) -> None:
+    """The autotuned tile on a GPU, bf16 (tensor cores, fp32 accumulation) against cuBLAS in fp32, with a
+    bias and a column count no tile divides."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(1000, 4096, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    b = torch.randn(1000, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(m, 4096, generator=g).to("cuda", torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(small_gemm(x, w, b).float(), want, rtol=2e-2, atol=2e-2)
