@@ -8,7 +8,7 @@ import importlib
 import json
 from typing import Any, Callable, Iterable
 
-from . import dllm, serving, speculative, split_prefill, streams
+from . import dllm, serving, speculative, split_prefill_settings, streams
 from .batch import add_runner_flags
 from ..cli.engine_args import add_engine_args
 
@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
         ("sampling", "the sampling step: torch reference vs the fused kernel, vs its bytes (GPU)", _sampling_args,
          "sampling"),
         ("split-prefill", "decoders' ITL and a long prompt's TTFT: no chunking, chunked, MIXED, SPLIT_PREFILL",
-         split_prefill.add_arguments, "split_prefill"),
+         split_prefill_settings.add_arguments, "split_prefill"),
         ("dllm", "a DLLM_EXTEND step (block diffusion) vs a DECODE step, block and batch size; tok/s by tokens "
          "committed a step", dllm.add_arguments, "dllm"),
     )

@@ -109,7 +109,7 @@ def test_settings_lists_given_empty_leave_those_settings_out() -> None:
     defaults); the overlap settings cross decode steps, SM counts and decode GEMMs."""
     import argparse
 
-    from modeserve.service.bench import split_prefill
+    from modeserve.service.bench import split_prefill_settings as split_prefill
 
     p = argparse.ArgumentParser()
     split_prefill.add_arguments(p)
