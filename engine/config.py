@@ -46,7 +46,8 @@ class RunnerConfig:
     # which needs cuda-python; fewer where the others round up to the driver's granularity, 8 SMs on
     # Hopper), the others kept as one group for the decode steps' kernels; 0: no partition
     split_prefill_overlap_sms: int = 0
-    # CUDA: the linear layers of steps of 2 to 64 rows (decode batches): "cublas", or "triton"
+    # CUDA: the linear layers of steps of up to 64 rows (decode batches; one row: the GEMV where chosen):
+    # "cublas", or "triton"
     # (kernels.triton.small_gemm: no thread-block clusters, so beside a slice its programs take SMs
     # as the slice frees them, where a cuBLAS cluster waits for the slice's whole GEMM)
     small_batch_gemm: str = "cublas"
