@@ -4,7 +4,7 @@ per weight shape by timing it against cuBLAS on the device (``choose_gemv``)."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -54,16 +54,22 @@ class Linear(nn.Linear):
         return add_rms_norm(self(x), residual, norm_weight, eps)
 
 
+WeightKey = tuple[tuple[int, ...], bool, torch.dtype]  # (weight shape, has a bias, dtype): what a kernel is chosen by
+
+
+def _linear_layers(model: nn.Module) -> Iterator[tuple[Linear, WeightKey]]:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            yield module, (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+
+
 def choose_gemv(model: nn.Module, gemv: Gemv, timer: GemvTimer,
                 gemv_add_norm: GemvAddNorm | None = None) -> dict[str, dict[str, float | bool]]:
     """Time each distinct (weight shape, bias, dtype) of the model's ``Linear`` layers once and give
     the layers whose shape the timer chose ``gemv`` for that kernel (and ``gemv_add_norm``, its variant
     with the add+norm epilogue); returns the timings by shape."""
-    timed: dict[tuple[tuple[int, ...], bool, torch.dtype], tuple[bool, float, float]] = {}
-    for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        key = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+    timed: dict[WeightKey, tuple[bool, float, float]] = {}
+    for module, key in _linear_layers(model):
         if key not in timed:
             timed[key] = timer(module.weight, module.bias)
         module.gemv = gemv if timed[key][0] else None
@@ -82,11 +88,8 @@ def use_small_gemm(model: nn.Module, small_gemm: Gemv, max_rows: int,
     """Give every ``Linear`` of the model ``small_gemm`` for inputs of up to ``max_rows`` rows, after
     ``prepare`` (weight, bias, max_rows) has run it once per distinct weight shape (its tuning, outside
     any graph capture)."""
-    prepared: set[tuple[tuple[int, ...], bool, torch.dtype]] = set()
-    for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        key = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+    prepared: set[WeightKey] = set()
+    for module, key in _linear_layers(model):
         if key not in prepared:
             prepare(module.weight, module.bias, max_rows)
             prepared.add(key)
