@@ -70,8 +70,10 @@ def _sizes(args: argparse.Namespace, s: Setting, mc: ModelConfig, lens: list[int
     """(the engine's size keywords, the decoders' max_new_tokens): the decoders outlive every window."""
     new = args.warmup_steps + sum(args.steady_steps + 2 + _max_window_steps(s, n, mc.num_layers, args.num_decoders)
                                   for n in lens)
-    page = RunnerConfig.page_size  # a request's last page may be part empty
-    kv = args.num_decoders * (args.decoder_prompt_len + new + page) + max(lens) + 2 * page
+    # a page each: its last page may be part empty, and the scheduler keeps one free per decoder before it
+    # admits a prefill beside them (with one prompt length no later window's growth covers those)
+    page = RunnerConfig.page_size
+    kv = args.num_decoders * (args.decoder_prompt_len + new + 2 * page) + max(lens) + 2 * page
     return {"max_running_requests": args.num_decoders + 1, "kv_cache_tokens": args.kv_cache_tokens or kv,
             "max_context_len": max(max(lens), args.decoder_prompt_len + new) + page}, new
 

@@ -123,3 +123,19 @@ def test_settings_lists_given_empty_leave_those_settings_out() -> None:
     assert got["split-64-overlap-sm108-tgemm"]["small_batch_gemm"] == "triton"
     assert "small_batch_gemm" not in got["split-64-overlap-sm108"]
     assert got["split-64-overlap-sm108"]["split_prefill_overlap_sms"] == 108
+
+
+def test_one_prompt_length_among_many_decoders_fits_the_kv_pool(tmp_path: Path) -> None:
+    """With one prompt length the decoders' KV growth leaves no margin from a second window: the pool must
+    still hold the page per decoder that the scheduler keeps free before it admits a prefill beside them
+    (else the prompt waits until the decoders finish: no window)."""
+    shape = tmp_path / "config.json"
+    shape.write_text(json.dumps({**preset_config("tiny"), "num_hidden_layers": 2}))
+    done = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "bench", "split-prefill", "--shape", str(shape),
+                           "--num-decoders", "16", "--decoder-prompt-len", "16", "--prompt-lens", "256",
+                           "--chunk-sizes", "--mixed-prefill-ratios", "--split-budgets", "--warmup-steps", "2",
+                           "--steady-steps", "2", "--solo-repeats", "1", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in map(json.loads, done.stdout.splitlines()) if not r.get("summary")]
+    assert [(r["setting"], r["prompt_len"], r["window_steps"]["EXTEND"]) for r in rows] == [("no-chunking", 256, 1)]
