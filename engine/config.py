@@ -46,6 +46,10 @@ class RunnerConfig:
     # which needs cuda-python; fewer where the others round up to the driver's granularity, 8 SMs on
     # Hopper), the others kept as one group for the decode steps' kernels; 0: no partition
     split_prefill_overlap_sms: int = 0
+    # with split_prefill_overlap_sms: while a slice may still run, the decode steps run on the SMs the
+    # slices leave only (the split's group, a green context of its own) instead of on any SM, so that
+    # they take none of the slices' SMs; with no slice in flight they run on every SM again
+    split_prefill_confine_decodes: bool = False
     # CUDA: the linear layers of steps of up to 64 rows (decode batches; one row: the GEMV where chosen):
     # "cublas", or "triton"
     # (kernels.triton.small_gemm: no thread-block clusters, so beside a slice its programs take SMs
@@ -81,6 +85,9 @@ class RunnerConfig:
             raise ValueError(f"split_prefill_overlap_sms must be >= 0, got {self.split_prefill_overlap_sms}")
         if self.split_prefill_overlap_sms and not self.enable_split_prefill_overlap:
             raise ValueError("split_prefill_overlap_sms partitions the SMs for enable_split_prefill_overlap: turn it on")
+        if self.split_prefill_confine_decodes and not self.split_prefill_overlap_sms:
+            raise ValueError("split_prefill_confine_decodes keeps the decode steps to the SMs split_prefill_overlap_sms "
+                             "leaves: set it")
         if self.dllm_block_size is not None and self.dllm_block_size < 1:
             raise ValueError(f"dllm_block_size must be >= 1, got {self.dllm_block_size}")
 

@@ -88,7 +88,7 @@ class ModelRunner:
         self.sampler = StepSampler(self.slots, self.kernel_ops, self.device,
                                    tp.broadcast if tp is not None else None, dllm)
         # a split prefill's slices beside the decode steps, on a stream of their own
-        self.side_stream = (SideStream(self.device, cfg.split_prefill_overlap_sms)
+        self.side_stream = (SideStream(self.device, cfg.split_prefill_overlap_sms, cfg.split_prefill_confine_decodes)
                             if cfg.enable_split_prefill_overlap else None)
         self.chained = ChainedVerify(self.slots, *(ngram or (SchedulerConfig.speculative_ngram_min,
                                                              SchedulerConfig.speculative_ngram_max)),

@@ -7,7 +7,10 @@ fewer: the others are split off as one group, in the driver's granularity), so t
 every SM they are given (persistent GEMMs) leave the others to the decodes. The slices get the split's
 remainder and the decodes' SMs stay a group because a split's groups can host thread-block clusters and
 its remainder need not: a decode's cluster GEMM that finds no room for a cluster among the SMs a slice
-leaves waits for that slice's kernel to end.
+leaves waits for that slice's kernel to end. The decodes run in the primary context, on any SM, unless
+``confine_decodes``: then, while a slice may still run, on a stream of the group's own green context
+(their kernels take none of the slices' SMs, so the slices keep the speed of their share alone), and on
+any SM again once the slices queued so far are done.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -43,9 +46,18 @@ def runs_beside(batch: ForwardBatch) -> bool:
     return batch.forward_mode in _BESIDE
 
 
-def partitioned_stream(device: torch.device, num_sms: int) -> tuple[torch.cuda.Stream, int]:
+class Partition(NamedTuple):
+    """A green-context split of a device's SMs: the slices' stream on the remainder, the others' group."""
+
+    slices: torch.cuda.Stream
+    slice_sms: int
+    group: torch.cuda.Stream  # runs on the SMs the slices leave only
+
+
+def partitioned_stream(device: torch.device, num_sms: int) -> Partition:
     """A stream whose kernels run on ``num_sms`` of ``device``'s SMs, or fewer (the remainder of a green-context
-    split that leaves the others one group, as the module says), and the number of SMs it has."""
+    split that leaves the others one group, as the module says), the number of SMs it has, and a stream of
+    the others' group."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if not 0 < num_sms < total:
         raise ValueError(f"split_prefill_overlap_sms must leave SMs to the decode steps: 0 < it < {total}, got {num_sms}")
@@ -62,17 +74,23 @@ def partitioned_stream(device: torch.device, num_sms: int) -> tuple[torch.cuda.S
         raise ValueError(f"split_prefill_overlap_sms={num_sms} leaves no SM to the slices once the others are "
                          f"rounded to the driver's granularity (8 SMs on Hopper)")
     logger.info("split prefill slices on %d of %d SMs (%d asked for)", resources[1].sm.smCount, total, num_sms)
-    return streams[1], int(resources[1].sm.smCount)
+    return Partition(streams[1], int(resources[1].sm.smCount), streams[0])
 
 
 class SideStream:
-    def __init__(self, device: torch.device, num_sms: int = 0) -> None:
-        """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any."""
+    def __init__(self, device: torch.device, num_sms: int = 0, confine_decodes: bool = False) -> None:
+        """``num_sms`` > 0: the slices run on that many SMs (CUDA only), the decode steps on any, or with
+        ``confine_decodes`` on the others while a slice may run."""
+        if confine_decodes and not num_sms:
+            raise ValueError("confine_decodes needs the SMs split: num_sms > 0")
         cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None
         self.slice_sms = 0  # the SMs the slices' kernels run on (CUDA)
+        self._group: torch.cuda.Stream | None = None  # the decodes' stream while a slice may run (confined)
+        self._slices_queued: torch.cuda.Event | None = None  # the slice stream after its last slice so far
         if cuda and num_sms:
-            self.stream, self.slice_sms = partitioned_stream(device, num_sms)
+            self.stream, self.slice_sms, group = partitioned_stream(device, num_sms)
+            self._group = group if confine_decodes else None
         elif cuda:
             self.stream = torch.cuda.Stream(device)
             self.slice_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -98,11 +116,19 @@ class SideStream:
         if self.decode_stream is None or not runs_beside(batch):
             yield
             return
-        main = torch.cuda.current_stream()
-        self.decode_stream.wait_stream(main)
-        with torch.cuda.stream(self.decode_stream):
+        main, lane = torch.cuda.current_stream(), self._decode_lane()
+        lane.wait_stream(main)
+        with torch.cuda.stream(lane):
             yield
-        main.wait_stream(self.decode_stream)
+        main.wait_stream(lane)
+
+    def _decode_lane(self) -> torch.cuda.Stream:
+        """The confined group's stream while a slice queued so far may still run (a query, no wait), else
+        the high-priority stream on every SM."""
+        assert self.decode_stream is not None
+        if self._group is not None and self._slices_queued is not None and not self._slices_queued.query():
+            return self._group
+        return self.decode_stream
 
     def _before(self, batch: ForwardBatch) -> None:
         """Before a main-stream step: wait for the slices where it may touch what they use."""
@@ -125,6 +151,8 @@ class SideStream:
             self.stream.wait_event(self._mark)
         with torch.cuda.stream(self.stream):
             yield
+        if self._group is not None:
+            self._slices_queued = self.stream.record_event()
 
     def hand_over(self, logits: torch.Tensor) -> torch.Tensor:
         """A last slice's logits, for a caller on the main stream (``ModelRunner.compute_logits``)."""

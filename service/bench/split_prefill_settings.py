@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-gemms", choices=("cublas", "triton"), nargs="+", default=["cublas"],
                    help="CUDA: small_batch_gemm of those settings (the decode steps' linear layers; "
                         "triton: no thread-block clusters)")
+    p.add_argument("--overlap-confine", choices=("off", "on"), nargs="+", default=["off"],
+                   help="CUDA: split_prefill_confine_decodes of the settings with --overlap-sms > 0 (on: the "
+                        "decodes on the SMs the slices leave only while a slice runs)")
     p.add_argument("--num-decoders", type=int, default=32)
     p.add_argument("--decoder-prompt-len", type=int, default=128)
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
@@ -78,9 +81,10 @@ def settings(args: argparse.Namespace, chunk_sizes: list[int], split_budgets: li
             for b in split_budgets]
     if args.device.startswith("cuda"):  # the slices on a stream of their own, beside the decode steps
         out += [Setting(f"split-{b}-overlap" + (f"-d{d}" if d > 1 else "") + (f"-sm{n}" if n else "")
-                        + ("-tgemm" if g == "triton" else ""), "split_prefill",
+                        + ("-conf" if c == "on" else "") + ("-tgemm" if g == "triton" else ""), "split_prefill",
                         {**o.params, "enable_split_prefill_overlap": True, "split_prefill_decode_steps": d,
-                         "split_prefill_overlap_sms": n, **({"small_batch_gemm": g} if g != "cublas" else {})})
+                         "split_prefill_overlap_sms": n, **({"split_prefill_confine_decodes": True} if c == "on" else {}),
+                         **({"small_batch_gemm": g} if g != "cublas" else {})})
                 for b, o in zip(split_budgets, out[-len(split_budgets):]) for d in args.overlap_decode_steps
-                for n in args.overlap_sms for g in args.overlap_gemms]
+                for n in args.overlap_sms for c in args.overlap_confine if n or c == "off" for g in args.overlap_gemms]
     return out

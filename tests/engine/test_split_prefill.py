@@ -227,6 +227,9 @@ OVERLAP: dict[str, dict[str, Any]] = {
     "beside_on_16_sms": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16),
     "beside_on_16_sms_triton_gemms": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16,
                                           small_batch_gemm="triton"),
+    # the decodes on the 16 SMs the slices leave, in a green context of their own, while a slice runs
+    "beside_on_16_sms_confined": dict(enable_split_prefill_overlap=True, split_prefill_overlap_sms=16,
+                                      split_prefill_confine_decodes=True),
 }
 
 
@@ -320,5 +323,7 @@ def test_split_prefill_settings_out_of_range_are_refused() -> None:
         RunnerConfig(enable_split_prefill_overlap=True, split_prefill_overlap_sms=-1)
     with pytest.raises(ValueError, match="turn it on"):
         RunnerConfig(split_prefill_overlap_sms=64)
+    with pytest.raises(ValueError, match="split_prefill_confine_decodes keeps the decode steps"):
+        RunnerConfig(enable_split_prefill_overlap=True, split_prefill_confine_decodes=True)
     with pytest.raises(ValueError, match="small_batch_gemm must be 'cublas' or 'triton'"):
         RunnerConfig(small_batch_gemm="cutlass")

@@ -115,13 +115,16 @@ def test_settings_lists_given_empty_leave_those_settings_out() -> None:
     split_prefill.add_arguments(p)
     args = p.parse_args(["--device", "cuda", "--prompt-lens", "64", "--chunk-sizes", "--mixed-prefill-ratios",
                          "--split-budgets", "64", "--overlap-decode-steps", "1", "--overlap-sms", "0", "108",
-                         "--overlap-gemms", "triton", "cublas"])
+                         "--overlap-gemms", "triton", "cublas", "--overlap-confine", "off", "on"])
     assert args.chunk_sizes == [] and args.mixed_prefill_ratios == []
     got = {s.label: s.params for s in split_prefill.settings(args, args.chunk_sizes, args.split_budgets, 32)}
     assert list(got) == ["no-chunking", "split-64", "split-64-overlap-tgemm", "split-64-overlap",
-                         "split-64-overlap-sm108-tgemm", "split-64-overlap-sm108"]
+                         "split-64-overlap-sm108-tgemm", "split-64-overlap-sm108", "split-64-overlap-sm108-conf-tgemm",
+                         "split-64-overlap-sm108-conf"]  # confined decodes need the SMs split: none at sm0
     assert got["split-64-overlap-sm108-tgemm"]["small_batch_gemm"] == "triton"
     assert "small_batch_gemm" not in got["split-64-overlap-sm108"]
+    assert got["split-64-overlap-sm108-conf"]["split_prefill_confine_decodes"] is True
+    assert "split_prefill_confine_decodes" not in got["split-64-overlap-sm108"]
     assert got["split-64-overlap-sm108"]["split_prefill_overlap_sms"] == 108
 
 
