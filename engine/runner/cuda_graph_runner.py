@@ -8,11 +8,17 @@ DLLM_EXTEND (q = the block size: each request's current block, whose queries see
 A graph reads its step inputs from one static int64 buffer, laid out per bucket as consecutive runs:
 token ids, positions and KV slots (``q * bs`` each), request rows and sequence lengths (``bs`` each); ``upload`` fills a bucket's runs, padding included, with one host-to-device
 copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0 over request row 0.
+
+With a ``confined`` stream (a CUDA green context's: ``split_prefill_confine_decodes``) each bucket is
+captured a second time on it, over the same static buffer and attention plan: a graph's kernels run in
+the context they were captured in, whichever stream replays them, so only these keep to that context's
+SMs.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections import defaultdict
 from typing import Callable, NamedTuple, Sequence
@@ -51,19 +57,25 @@ class CudaGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, device: torch.device,
                  slot_table: torch.Tensor, progress: Callable[[str], None] | None = None,
-                 mode: ForwardMode = ForwardMode.DECODE, tokens_per_row: int = 1) -> None:
+                 mode: ForwardMode = ForwardMode.DECODE, tokens_per_row: int = 1,
+                 confined: torch.cuda.Stream | None = None) -> None:
         """``slot_table``: the engine's req_to_token (allocated once): every replay reads it. ``mode``
-        and ``tokens_per_row``: the steps this runner replays (DECODE and 1, or TARGET_VERIFY and k + 1)."""
+        and ``tokens_per_row``: the steps this runner replays (DECODE and 1, or TARGET_VERIFY and k + 1).
+        ``confined``: a green context's stream to capture each bucket on as well (the module says why)."""
         self.model, self.attn, self._slot_table = model, attn, slot_table
         self.mode, self.q = mode, tokens_per_row
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_bs] or [max_bs]
         self._pad = (0, 0, 0, 0, self.q)  # per run: a padded request's value
         self._static = torch.zeros(self._run_offsets(self.buckets[-1])[-1], dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.confined: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # captured on ``confined``
         self.hits: dict[str, int] = defaultdict(int)
         self.misses: dict[str, int] = defaultdict(int)
         self.padded_rows: dict[str, int] = defaultdict(int)
-        self._capture_all(progress)
+        self._pool = torch.cuda.graph_pool_handle()  # the memory every graph of this runner shares
+        self._capture_all(self.graphs, None, progress)
+        if confined is not None:
+            self._capture_all(self.confined, confined, progress)
 
     def _run_offsets(self, bs: int) -> list[int]:
         """Where each of bucket ``bs``'s runs starts in the static buffer, and where the last ends."""
@@ -78,9 +90,11 @@ class CudaGraphRunner:
                           for k in range(len(STATIC_RUNS))))
 
     @torch.inference_mode()
-    def _capture_all(self, progress: Callable[[str], None] | None) -> None:
-        pool = None
-        bar = tqdm(list(reversed(self.buckets)), desc="Capturing CUDA graphs", unit="graph", leave=False)
+    def _capture_all(self, into: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]],
+                     stream: torch.cuda.Stream | None, progress: Callable[[str], None] | None) -> None:
+        """Capture every bucket into ``into`` on ``stream`` (default: a side stream of torch's)."""
+        where = "" if stream is None else " (confined)"
+        bar = tqdm(list(reversed(self.buckets)), desc=f"Capturing CUDA graphs{where}", unit="graph", leave=False)
         for bs in bar:  # largest first: later graphs reuse its memory
             bar.set_postfix(bs=bs)
             rows = self.rows(bs)
@@ -88,18 +102,18 @@ class CudaGraphRunner:
                 run.fill_(pad)
             self.attn.init_capture(bs, GraphInputs(rows.out_cache_loc, rows.req_pool_indices, rows.seq_lens,
                                                    self._slot_table, self.q, self.mode == ForwardMode.DLLM_EXTEND))
-            for _ in range(2):  # warm up (lazy inits, autotuning) outside the graph
-                self._forward(rows)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for _ in range(2):  # warm up (lazy inits, autotuning, the stream's cuBLAS workspace) outside the graph
+                    self._forward(rows)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 out = self._forward(rows)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+            into[bs] = (graph, out)
             if progress is not None:
-                progress(f"cuda graph bs={bs}")
-        logger.info("captured %s CUDA graphs (%d tokens a request) for batch sizes %s", self.mode.name, self.q,
-                    self.buckets)
+                progress(f"cuda graph bs={bs}{where}")
+        logger.info("captured %s CUDA graphs%s (%d tokens a request) for batch sizes %s", self.mode.name, where,
+                    self.q, self.buckets)
 
     def _forward(self, rows: StepRows) -> torch.Tensor:
         hidden = self.model(rows.input_ids, rows.positions, self.attn)
@@ -135,9 +149,10 @@ class CudaGraphRunner:
         self.padded_rows[mode.name] += bucket - n
         return self.rows(bucket, n)
 
-    def replay(self, bucket: int, bs: int) -> torch.Tensor:
-        """Replay the prepared bucket; logits [q * bs, V] of the real requests' tokens."""
-        graph, out = self.graphs[bucket]
+    def replay(self, bucket: int, bs: int, confined: bool = False) -> torch.Tensor:
+        """Replay the prepared bucket (its capture on the ``confined`` stream if asked and made); logits
+        [q * bs, V] of the real requests' tokens."""
+        graph, out = (self.confined if confined and self.confined else self.graphs)[bucket]
         graph.replay()
         return out[: self.q * bs]
 

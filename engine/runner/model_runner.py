@@ -190,7 +190,9 @@ class ModelRunner:
                                                self.dllm.block_size)
             return
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
-        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress)
+        confined = self.side_stream.group if self.side_stream is not None else None
+        self.graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.device, self.slots.req_to_token, progress,
+                                      confined=confined)
         self.capture_verify_graphs(self.verify_queries, progress)
 
     def capture_verify_graphs(self, queries: int, progress: Callable[[str], None] | None = None) -> None:
@@ -356,7 +358,7 @@ class ModelRunner:
         self._step.input_ids, self._step.positions = rows.input_ids, rows.positions
         if graphs.q == 1 and batch.sample_mask.all():
             self._step.sample_slots = rows.req_pool_indices
-        return graphs.replay(bucket, batch.batch_size)
+        return graphs.replay(bucket, batch.batch_size, self.side_stream is not None and self.side_stream.confining)
 
     def _replay_padding_only(self, batch: ForwardBatch) -> None:
         """An IDLE rank in lockstep replays the bucket the others use, with padding rows only."""

@@ -10,7 +10,9 @@ its remainder need not: a decode's cluster GEMM that finds no room for a cluster
 leaves waits for that slice's kernel to end. The decodes run in the primary context, on any SM, unless
 ``confine_decodes``: then, while a slice may still run, on a stream of the group's own green context
 (their kernels take none of the slices' SMs, so the slices keep the speed of their share alone), and on
-any SM again once the slices queued so far are done.
+any SM again once the slices queued so far are done. A decode graph captured on the primary context
+runs there whatever stream replays it, so the decode graphs are captured on the group's stream as well
+(``group``), and a step replays those while ``confining``.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
@@ -88,6 +90,7 @@ class SideStream:
         self.slice_sms = 0  # the SMs the slices' kernels run on (CUDA)
         self._group: torch.cuda.Stream | None = None  # the decodes' stream while a slice may run (confined)
         self._slices_queued: torch.cuda.Event | None = None  # the slice stream after its last slice so far
+        self.confining = False  # a decode step is being queued on the group's stream
         if cuda and num_sms:
             self.stream, self.slice_sms, group = partitioned_stream(device, num_sms)
             self._group = group if confine_decodes else None
@@ -118,9 +121,18 @@ class SideStream:
             return
         main, lane = torch.cuda.current_stream(), self._decode_lane()
         lane.wait_stream(main)
-        with torch.cuda.stream(lane):
-            yield
+        self.confining = lane is self._group
+        try:
+            with torch.cuda.stream(lane):
+                yield
+        finally:
+            self.confining = False
         main.wait_stream(lane)
+
+    @property
+    def group(self) -> torch.cuda.Stream | None:
+        """The stream of the SMs the slices leave, where decode steps go while a slice runs (confined), or None."""
+        return self._group
 
     def _decode_lane(self) -> torch.cuda.Stream:
         """The confined group's stream while a slice queued so far may still run (a query, no wait), else

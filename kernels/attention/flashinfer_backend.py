@@ -128,11 +128,21 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def init_capture(self, bs: int, static: GraphInputs) -> None:
-        """Make the wrapper for ``bs`` requests of ``static.tokens_per_row`` queries (fixed buffers) and
-        plan a batch of padding only: every request on the reserved page 0."""
+        """Make the wrapper for ``bs`` requests of ``static.tokens_per_row`` queries (fixed buffers), or
+        take the one made before (a bucket captured again, on another stream, replays from the same
+        plan), and plan a batch of padding only: every request on the reserved page 0."""
+        kv, dev, q = self.kv_cache, self.kv_cache.k[0].device, static.tokens_per_row
+        wrapper = self._graph_wrappers.get((bs, q)) or self._graph_wrapper(bs, q)
+        self._graph_wrappers[bs, q] = wrapper
+        indptr, indices, last = page_table(_no_rows(static.req_to_token), kv.page_size, pad_to=bs, pad_len=q)
+        self._plan_graph(wrapper, q, _pinned(indptr), _pinned(indices).to(dev), _pinned(last))
+        self._wrapper, self._out_cache_loc = wrapper, static.out_cache_loc
+
+    def _graph_wrapper(self, bs: int, q: int) -> object:
+        """A wrapper of fixed buffers for ``bs`` requests of ``q`` queries."""
         import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
-        kv, dev, q = self.kv_cache, self.kv_cache.k[0].device, static.tokens_per_row
+        kv, dev = self.kv_cache, self.kv_cache.k[0].device
         indptr_buf = torch.zeros(bs + 1, dtype=torch.int32, device=dev)
         padding_pages = bs * -(-q // kv.page_size)  # beyond the pool's pages: a padded request's page-0 entries
         indices_buf = torch.zeros(kv.num_slots // kv.page_size + padding_pages, dtype=torch.int32, device=dev)
@@ -147,10 +157,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
                 paged_kv_indptr_buf=indptr_buf, paged_kv_indices_buf=indices_buf, paged_kv_last_page_len_buf=last_buf)
-        self._graph_wrappers[bs, q] = wrapper
-        indptr, indices, last = page_table(_no_rows(static.req_to_token), kv.page_size, pad_to=bs, pad_len=q)
-        self._plan_graph(wrapper, q, _pinned(indptr), _pinned(indices).to(dev), _pinned(last))
-        self._wrapper, self._out_cache_loc = wrapper, static.out_cache_loc
+        return wrapper
 
     def init_replay(self, inputs: AttentionInputs, bs: int) -> None:
         """Plan the real requests, padded to ``bs`` with requests on page 0."""

@@ -251,6 +251,8 @@ def test_cuda_split_prefill_beside_decode_graphs_equals_split_off(tiny_llama_4: 
     assert mixed_workload(llm, SHORT, LONG) == want
     assert llm.stats()["mode_distribution"]["SPLIT_PREFILL"] == NUM_LAYERS * len(LONG)
     assert llm.runner.graphs is not None and llm.runner.graphs.hits["DECODE"] > 0 and llm.runner.split.held_slots == ()
+    confine = bool(OVERLAP[setting].get("split_prefill_confine_decodes"))
+    assert sorted(llm.runner.graphs.confined) == (sorted(llm.runner.graphs.graphs) if confine else [])
 
 
 @pytest.mark.gpu
