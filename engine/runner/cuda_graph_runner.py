@@ -10,9 +10,11 @@ token ids, positions and KV slots (``q * bs`` each), request rows and sequence l
 copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0 over request row 0.
 
 With a ``confined`` stream (a CUDA green context's: ``split_prefill_confine_decodes``) each bucket is
-captured a second time on it, over the same static buffer and attention plan: a graph's kernels run in
-the context they were captured in, whichever stream replays them, so only these keep to that context's
-SMs.
+captured a second time on it, over the same static buffer and attention plan, and those are the ones
+replayed there: a captured kernel node records its execution context (the CUDA runtime lets a graph
+node name one), so a graph captured in the primary context need not keep to the green context's SMs
+when a green stream replays it (SGLang's PD multiplexing likewise captures its decode graphs per SM
+partition's stream).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ its remainder need not: a decode's cluster GEMM that finds no room for a cluster
 leaves waits for that slice's kernel to end. The decodes run in the primary context, on any SM, unless
 ``confine_decodes``: then, while a slice may still run, on a stream of the group's own green context
 (their kernels take none of the slices' SMs, so the slices keep the speed of their share alone), and on
-any SM again once the slices queued so far are done. A decode graph captured on the primary context
-runs there whatever stream replays it, so the decode graphs are captured on the group's stream as well
-(``group``), and a step replays those while ``confining``.
+any SM again once the slices queued so far are done. A decode graph captured in the primary context
+may run there whatever stream replays it, so the decode graphs are captured on the group's stream as
+well (``group``), and a step replays those while ``confining``.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
 its stream waits for the main stream as of the last such step, not for the decode steps since. The
