@@ -11,10 +11,8 @@ copy. A padded request is ``q`` tokens at position 0 writing the reserved slot 0
 
 With a ``confined`` stream (a CUDA green context's: ``split_prefill_confine_decodes``) each bucket is
 captured a second time on it, over the same static buffer and attention plan, and those are the ones
-replayed there: a captured kernel node records its execution context (the CUDA runtime lets a graph
-node name one), so a graph captured in the primary context need not keep to the green context's SMs
-when a green stream replays it (SGLang's PD multiplexing likewise captures its decode graphs per SM
-partition's stream).
+replayed there: a graph keeps the context it was captured in, whichever stream replays it (measured on
+an H100: docs/benchmarks.md, session 53), so one captured in the primary context would use every SM.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ leaves waits for that slice's kernel to end. The decodes run in the primary cont
 ``confine_decodes``: then, while a slice may still run, on a stream of the group's own green context
 (their kernels take none of the slices' SMs, so the slices keep the speed of their share alone), and on
 any SM again once the slices queued so far are done. A decode graph captured in the primary context
-may run there whatever stream replays it, so the decode graphs are captured on the group's stream as
+runs there whatever stream replays it, so the decode graphs are captured on the group's stream as
 well (``group``), and a step replays those while ``confining``.
 
 A slice reads what earlier non-decode steps wrote (its prompt's cached or chunked KV, the slot table):
