@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -173,8 +174,9 @@ def test_rotated_certificates_keep_streams_and_serve_new_connections(cluster: Cl
         try:
             assert https(cluster.http_base, "/health", new_pki.ca_file) == {"status": "ok"}
             break
-        except ssl.SSLError:
-            if time.monotonic() > deadline:
+        except (ssl.SSLError, urllib.error.URLError) as exc:  # urllib wraps a failed handshake in URLError
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if not isinstance(reason, ssl.SSLError) or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
 
