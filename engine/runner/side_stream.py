@@ -88,12 +88,11 @@ class SideStream:
         cuda = device.type == "cuda"
         self.stream: torch.cuda.Stream | None = None
         self.slice_sms = 0  # the SMs the slices' kernels run on (CUDA)
-        self._group: torch.cuda.Stream | None = None  # the decodes' stream while a slice may run (confined)
+        self.group: torch.cuda.Stream | None = None  # the decodes' stream while a slice may run (confined)
         self._slices_queued: torch.cuda.Event | None = None  # the slice stream after its last slice so far
-        self.confining = False  # a decode step is being queued on the group's stream
         if cuda and num_sms:
             self.stream, self.slice_sms, group = partitioned_stream(device, num_sms)
-            self._group = group if confine_decodes else None
+            self.group = group if confine_decodes else None
         elif cuda:
             self.stream = torch.cuda.Stream(device)
             self.slice_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -121,25 +120,21 @@ class SideStream:
             return
         main, lane = torch.cuda.current_stream(), self._decode_lane()
         lane.wait_stream(main)
-        self.confining = lane is self._group
-        try:
-            with torch.cuda.stream(lane):
-                yield
-        finally:
-            self.confining = False
+        with torch.cuda.stream(lane):
+            yield
         main.wait_stream(lane)
 
     @property
-    def group(self) -> torch.cuda.Stream | None:
-        """The stream of the SMs the slices leave, where decode steps go while a slice runs (confined), or None."""
-        return self._group
+    def confining(self) -> bool:
+        """Whether the step being queued goes on the group's stream (the SMs the slices leave)."""
+        return self.group is not None and torch.cuda.current_stream() == self.group
 
     def _decode_lane(self) -> torch.cuda.Stream:
         """The confined group's stream while a slice queued so far may still run (a query, no wait), else
         the high-priority stream on every SM."""
         assert self.decode_stream is not None
-        if self._group is not None and self._slices_queued is not None and not self._slices_queued.query():
-            return self._group
+        if self.group is not None and self._slices_queued is not None and not self._slices_queued.query():
+            return self.group
         return self.decode_stream
 
     def _before(self, batch: ForwardBatch) -> None:
@@ -163,7 +158,7 @@ class SideStream:
             self.stream.wait_event(self._mark)
         with torch.cuda.stream(self.stream):
             yield
-        if self._group is not None:
+        if self.group is not None:
             self._slices_queued = self.stream.record_event()
 
     def hand_over(self, logits: torch.Tensor) -> torch.Tensor:
