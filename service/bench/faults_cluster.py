@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import grpc
@@ -16,7 +16,7 @@ import grpc
 from ...proto.v1 import admin_pb2, admin_pb2_grpc, generate_pb2, generate_pb2_grpc
 from ...engine.python_child import python_argv
 from ..rpc.engine_process import read_address, stop_process
-from .servers import free_port, rss_mib
+from .servers import rss_mib
 
 START_TIMEOUT = 120.0
 
@@ -28,7 +28,7 @@ class Child:
 
     argv: tuple[str, ...]
     env: dict[str, str]
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0 until the first start binds one; a restart binds the same
     proc: subprocess.Popen[str] | None = None
 
     @property
@@ -51,7 +51,7 @@ class Child:
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if engine else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, text=True, env=self.env)
         try:
-            read_address(self.proc, self.argv[0], START_TIMEOUT)
+            self.port = int(read_address(self.proc, self.argv[0], START_TIMEOUT).rsplit(":", 1)[1])
         except BaseException:
             self.stop()
             raise
@@ -86,14 +86,19 @@ class Cluster:
     def __init__(self, num_engines: int, engine_argv: Sequence[str], router_argv: Sequence[str],
                  env: dict[str, str]) -> None:
         self.engines = [Child(("engine", *engine_argv, "--dp-rank", str(r)), env) for r in range(num_engines)]
-        self.router = Child(("router", "--engines", ",".join(e.address for e in self.engines), "--http-port", "0",
-                             *router_argv), env)
+        self.router = Child(("router", "--http-port", "0", *router_argv), env)  # --engines once they are bound
 
     def start(self) -> None:
-        """The engines at once, then the router; on an error, all stopped again."""
+        """The engines at once, each on a port of its own choosing, then the router over their addresses;
+        on an error, all stopped again. (A port picked here and bound later could be another child's by
+        then: a bench that started two clusters at once once had its KV storm's router describe an engine
+        of the other cluster.)"""
         try:
             with ThreadPoolExecutor(len(self.engines)) as pool:
                 list(pool.map(Child.start, self.engines))
+            if "--engines" not in self.router.argv:
+                self.router.argv = (self.router.argv[0], "--engines", ",".join(e.address for e in self.engines),
+                                    *self.router.argv[1:])
             self.router.start()
         except BaseException:
             self.close()

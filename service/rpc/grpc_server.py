@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_PENDING_CALLS = 1 << 20
+# gRPC core binds with SO_REUSEPORT by default: a second server on a taken port would start and get a share
+# of its connections (two engines answering at one address). Off, that bind fails as it should.
+NO_SHARED_PORT = ("grpc.so_reuseport", 0)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class GrpcServer:
             # gRPC core cancels calls that wait unmatched while more than its default of pending ones
             # queue (a burst of streams on a busy loop); admission here is --max-queued-requests
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS), NO_SHARED_PORT])
         for add in register:
             add(self.server)
         self.health = health.aio.HealthServicer()
@@ -124,7 +127,7 @@ class GrpcServer:
 
     async def _start_health(self, host: str, port: int) -> None:
         """The same health states on a plaintext port of their own, nothing else served there."""
-        self.health_server = grpc.aio.server()
+        self.health_server = grpc.aio.server(options=[NO_SHARED_PORT])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
         bound = self.health_server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
