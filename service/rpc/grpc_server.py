@@ -116,9 +116,12 @@ class GrpcServer:
             port = (self.server.add_secure_port(address, credentials) if credentials is not None
                     else self.server.add_insecure_port(address))
         except RuntimeError as exc:
-            raise ValueError(f"cannot bind gRPC server to {address!r}: {exc}") from exc
+            port, error = 0, f": {exc}"
+        else:
+            error = ""
         if port == 0:
-            raise ValueError(f"cannot bind gRPC server to {address!r}")
+            await self.server.stop(0)
+            raise ValueError(f"cannot bind gRPC server to {address!r}{error}")
         await self.server.start()
         if self.options.health_port is not None:
             await self._start_health(address.rsplit(":", 1)[0], self.options.health_port)
@@ -129,8 +132,12 @@ class GrpcServer:
         """The same health states on a plaintext port of their own, nothing else served there."""
         self.health_server = grpc.aio.server(options=[NO_SHARED_PORT])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc-python raises where gRPC core returns 0
+            bound = 0
         if bound == 0:
+            await self.health_server.stop(0)
             await self.server.stop(0)
             raise ValueError(f"cannot bind the health port {host}:{port}")
         await self.health_server.start()
