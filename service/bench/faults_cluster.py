@@ -86,7 +86,8 @@ class Cluster:
     def __init__(self, num_engines: int, engine_argv: Sequence[str], router_argv: Sequence[str],
                  env: dict[str, str]) -> None:
         self.engines = [Child(("engine", *engine_argv, "--dp-rank", str(r)), env) for r in range(num_engines)]
-        self.router = Child(("router", "--http-port", "0", *router_argv), env)  # --engines once they are bound
+        self.router = Child(("router",), env)  # its flags once the engines are bound (their ports known)
+        self._router_argv = tuple(router_argv)
 
     def start(self) -> None:
         """The engines at once, each on a port of its own choosing, then the router over their addresses;
@@ -96,9 +97,8 @@ class Cluster:
         try:
             with ThreadPoolExecutor(len(self.engines)) as pool:
                 list(pool.map(Child.start, self.engines))
-            if "--engines" not in self.router.argv:
-                self.router.argv = (self.router.argv[0], "--engines", ",".join(e.address for e in self.engines),
-                                    *self.router.argv[1:])
+            self.router.argv = ("router", "--engines", ",".join(e.address for e in self.engines), "--http-port", "0",
+                                *self._router_argv)
             self.router.start()
         except BaseException:
             self.close()

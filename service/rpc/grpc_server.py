@@ -57,6 +57,15 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def bound_port(add_port: Callable[[], int]) -> int:
+    """The port ``add_port`` bound, 0 where it bound none (grpc-python raises RuntimeError where gRPC
+    core returns 0, depending on the failure)."""
+    try:
+        return add_port()
+    except RuntimeError:
+        return 0
+
+
 class EventLoopThread:
     """An asyncio event loop running on its own thread; other threads hand it work."""
 
@@ -112,16 +121,12 @@ class GrpcServer:
         if self.options.reflection:
             reflection.enable_server_reflection((*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                                 self.server)
-        try:
-            port = (self.server.add_secure_port(address, credentials) if credentials is not None
-                    else self.server.add_insecure_port(address))
-        except RuntimeError as exc:
-            port, error = 0, f": {exc}"
-        else:
-            error = ""
+        server = self.server
+        port = bound_port(lambda: server.add_secure_port(address, credentials) if credentials is not None
+                          else server.add_insecure_port(address))
         if port == 0:
             await self.server.stop(0)
-            raise ValueError(f"cannot bind gRPC server to {address!r}{error}")
+            raise ValueError(f"cannot bind gRPC server to {address!r}")
         await self.server.start()
         if self.options.health_port is not None:
             await self._start_health(address.rsplit(":", 1)[0], self.options.health_port)
@@ -132,10 +137,8 @@ class GrpcServer:
         """The same health states on a plaintext port of their own, nothing else served there."""
         self.health_server = grpc.aio.server(options=[NO_SHARED_PORT])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-        try:
-            bound = self.health_server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:  # grpc-python raises where gRPC core returns 0
-            bound = 0
+        health_server = self.health_server
+        bound = bound_port(lambda: health_server.add_insecure_port(f"{host}:{port}"))
         if bound == 0:
             await self.health_server.stop(0)
             await self.server.stop(0)
