@@ -19,7 +19,7 @@ from modeserve.service.router.api_key import bearer_ok, load_api_key
 from modeserve.service.router.app import HttpAddress, RouterApp
 from modeserve.service.router.in_process import start_serve
 from modeserve.service.rpc.client import GenerateClient
-from tests.service.http_fixtures import call, free_port, tiny_model_with_tokenizer
+from tests.service.http_fixtures import call, tiny_model_with_tokenizer
 
 KEY = "sk-test-0123456789"
 
@@ -27,9 +27,9 @@ KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterApp, str]]:
     model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-key"))
-    port = free_port()
-    app = start_serve("127.0.0.1:0", str(model), page_size=4, http=HttpAddress("127.0.0.1", port), api_key=KEY)
-    yield app, f"http://127.0.0.1:{port}"
+    app = start_serve("127.0.0.1:0", str(model), page_size=4, http=HttpAddress("127.0.0.1", 0), api_key=KEY)
+    assert app.http is not None
+    yield app, f"http://127.0.0.1:{app.http.port}"
     app.stop(grace=1)
 
 

@@ -20,7 +20,7 @@ from modeserve.service.bench.fuzz_probes import Reply, generate_reply, http_repl
 from modeserve.service.router.app import HttpAddress, RouterApp
 from modeserve.service.router.in_process import start_serve
 from modeserve.service.rpc.client import GenerateClient
-from tests.service.http_fixtures import free_port, tiny_model_with_tokenizer
+from tests.service.http_fixtures import tiny_model_with_tokenizer
 from tests.service.test_serve import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,10 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCh
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterApp, str, str]]:
     model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-fuzz"))
-    port = free_port()
     app = start_serve("127.0.0.1:0", str(model), page_size=4, kv_cache_tokens=8192, max_queued_requests=512,
-                      http=HttpAddress("127.0.0.1", port))
-    yield app, f"http://127.0.0.1:{port}", str(model)
+                      http=HttpAddress("127.0.0.1", 0))
+    assert app.http is not None
+    yield app, f"http://127.0.0.1:{app.http.port}", str(model)
     app.stop(grace=1)
 
 

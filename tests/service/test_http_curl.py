@@ -12,7 +12,6 @@ import pytest
 
 from modeserve.service.router.app import HttpAddress
 from modeserve.service.router.in_process import start_serve
-from tests.service.http_fixtures import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")]
 QUESTION = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
@@ -21,9 +20,9 @@ QUESTION = {"messages": [{"role": "user", "content": "What is the capital of Fra
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    port = free_port()
-    app = start_serve("127.0.0.1:0", None, http=HttpAddress("127.0.0.1", port))
-    yield f"http://127.0.0.1:{port}"
+    app = start_serve("127.0.0.1:0", None, http=HttpAddress("127.0.0.1", 0))
+    assert app.http is not None
+    yield f"http://127.0.0.1:{app.http.port}"
     app.stop(grace=1)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from modeserve.service.router.app import HttpAddress, RouterApp
 from modeserve.service.router.in_process import start_serve
-from tests.service.http_fixtures import call, free_port, tiny_model_with_tokenizer
+from tests.service.http_fixtures import call, tiny_model_with_tokenizer
 from tests.service.test_serve import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -25,10 +25,10 @@ MAX_QUEUED = 4
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterApp, str]]:
     model = tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-http-edges"))
-    port = free_port()
     app = start_serve("127.0.0.1:0", str(model), max_queued_requests=MAX_QUEUED, page_size=4, kv_cache_tokens=4096,
-                      http=HttpAddress("127.0.0.1", port))
-    yield app, f"http://127.0.0.1:{port}"
+                      http=HttpAddress("127.0.0.1", 0))
+    assert app.http is not None
+    yield app, f"http://127.0.0.1:{app.http.port}"
     app.stop(grace=1)
 
 
@@ -140,9 +140,10 @@ def test_http_request_span_is_a_child_of_the_clients_traceparent(tmp_path: Path)
 
     model = tiny_model_with_tokenizer(tmp_path / "m")
     exporter = InMemorySpanExporter()
-    port = free_port()
     app = start_serve("127.0.0.1:0", str(model), tracing=Tracing("router", 0, env={}, exporter=exporter),
-                      page_size=4, http=HttpAddress("127.0.0.1", port))
+                      page_size=4, http=HttpAddress("127.0.0.1", 0))
+    assert app.http is not None
+    port = app.http.port
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     try:
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True})

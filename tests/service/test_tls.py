@@ -29,7 +29,7 @@ from modeserve.service.rpc.client import GenerateClient
 from modeserve.service.rpc.engine_client import describe_engine, engine_healthy
 from modeserve.service.rpc.engine_server import EngineServer, create_engine_server
 from modeserve.service.rpc.tls import TlsFiles, channel_credentials
-from tests.service.http_fixtures import free_port, tiny_model_with_tokenizer
+from tests.service.http_fixtures import tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     engine = create_engine_server(parts.runner, "127.0.0.1:0", model_path=str(model),
                                   eos_token_ids=parts.eos_token_ids, tls=keys.server)
     address = f"127.0.0.1:{engine.port}"
-    http = HttpAddress("127.0.0.1", free_port())
     # the router's own servers use a copy of the server files: the rotation test replaces them
     own = root / "router"
     own.mkdir()
@@ -81,8 +80,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         (own / f).write_bytes((root / "pki" / f).read_bytes())
     router_tls = TlsFiles(str(own / "server.pem"), str(own / "server.key"))
     router = start_remote_router("127.0.0.1:0", [address], str(model),
-                                 RemoteRouterConfig(http=http, tls=router_tls, engine_tls=keys.client, wait=30))
-    yield Cluster(model, keys, engine, address, router, f"https://127.0.0.1:{http.port}")
+                                 RemoteRouterConfig(http=HttpAddress("127.0.0.1", 0), tls=router_tls,
+                                                    engine_tls=keys.client, wait=30))
+    assert router.http is not None
+    yield Cluster(model, keys, engine, address, router, f"https://127.0.0.1:{router.http.port}")
     router.stop(grace=1)
     engine.stop(grace=1)
 
@@ -199,12 +200,12 @@ def test_health_port_answers_probes_in_plaintext_while_the_server_speaks_tls(tmp
 
     keys = pki(tmp_path, "h")
     loop = EventLoopThread()
-    health_port = free_port()
     server = GrpcServer(loop, "127.0.0.1:0", [], ["modeserve.v1.Engine"],
                         credentials=ReloadingServerCredentials(keys.server, require_client_cert=True).credentials,
-                        options=ServerOptions(health_port=health_port))
+                        options=ServerOptions(health_port=0))
     try:
-        assert server.health_port == health_port
+        health_port = server.health_port
+        assert health_port is not None and health_port not in (0, server.port)
         Status = health_pb2.HealthCheckResponse
 
         def check(port: int, service: str) -> int:
@@ -237,12 +238,12 @@ def test_admin_port_serves_only_clients_with_a_certificate_the_ca_signed(cluster
     from modeserve.operator.router_client import GrpcAdminClient, RouterUnreachable
 
     keys = cluster.pki
-    admin_port = free_port()
     router = start_remote_router("127.0.0.1:0", [cluster.engine_address], str(cluster.model), RemoteRouterConfig(
         tls=TlsFiles(keys.server.cert, keys.server.key, keys.ca_file), engine_tls=keys.client, wait=30,
-        admin_port=admin_port))
-    admin = f"127.0.0.1:{admin_port}"
+        admin_port=0))
     try:
+        assert router.admin is not None and router.admin.port != router.port
+        admin = f"127.0.0.1:{router.admin.port}"
         assert GrpcAdminClient(5, keys.client).get_ranks(admin, tls=True) == {0: "READY"}
         with pytest.raises(RouterUnreachable, match="UNAVAILABLE"):  # no client certificate: no handshake
             GrpcAdminClient(5, TlsFiles(ca=keys.ca_file)).get_ranks(admin, tls=True)
