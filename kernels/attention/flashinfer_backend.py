@@ -6,9 +6,9 @@ steps use one ``BatchPrefillWithPagedKVCacheWrapper`` over all rows (its causal 
 the end of each request's KV, so decode rows of a MIXED batch are just rows with one query).
 ``plan`` runs once per step on host metadata, outside any CUDA graph.
 
-On Hopper (FA3, which does not split keys) a paged step with too few query tiles for its keys has its long
-prefixes cut into segments (``prefix_split``): a second plan over the segments without a mask, the main
-plan over the rest, the two merged by log-sum-exp.
+With ``prefix_split`` on Hopper (FA3, which does not split keys), a paged step with too few query tiles for
+its keys has its long prefixes cut into segments: a second plan over the segments without a mask, the
+main plan over the rest, the two merged by log-sum-exp.
 
 The ragged kernel is used only without a cached prefix, where it beats the paged one and its plan
 skips the page table; with a prefix, ragged for the new tokens plus paged for the prefix plus
@@ -85,10 +85,11 @@ def decode_uses_tensor_cores(group_size: int) -> bool:
 
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
-                 decode_tensor_cores: bool | None = None, prefix_split: SplitRule | None = SplitRule()) -> None:
+                 decode_tensor_cores: bool | None = None, prefix_split: SplitRule | None = None) -> None:
         """``decode_tensor_cores``: None picks by the query-head group size (``decode_uses_tensor_cores``).
         ``prefix_split``: when to cut long prefixes of paged steps into segments (None: never); only on
-        Hopper, where FlashInfer's prefill is FA3, and without a sliding window."""
+        Hopper, where FlashInfer's prefill is FA3, and without a sliding window. Off by default until its
+        speed is measured: the engine's backends do not pass it yet."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
