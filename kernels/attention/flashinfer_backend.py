@@ -128,18 +128,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._ragged.plan(qo, qo, head_dim_qk=kv.head_dim, causal=True, kv_data_type=inputs.dtype, **heads)
             self._wrapper = self._ragged
             return
-        indptr_np, indices_np, last_np = page_table(inputs, kv.page_size)
+        table = page_table(inputs, kv.page_size)
+        paged = dict(heads, page_size=kv.page_size, kv_data_type=kv.dtype)
+        split = None if decode else self._plan_split(inputs, table, paged)
+        indptr_np, indices_np, last_np = split.main if split is not None else table  # (the cut table, if cut)
         indptr, last = _pinned(indptr_np), _pinned(last_np)
         indices = _pinned(indices_np).to(kv.k[0].device, non_blocking=True)
-        paged = dict(heads, page_size=kv.page_size, kv_data_type=kv.dtype)
         if decode:
             self._decode.plan(indptr, indices, last, head_dim=kv.head_dim, **paged)
             self._wrapper = self._decode
         else:
-            split = self._plan_split(inputs, indptr_np, indices_np, last_np, paged)
-            if split is not None:
-                indptr, indices, last = (_pinned(a) for a in split.main)
-                indices = indices.to(kv.k[0].device, non_blocking=True)
             self._prefill.plan(_pinned(_indptr(inputs.extend_lens_cpu)), indptr, indices, last,
                                head_dim_qk=kv.head_dim, causal=True, **paged)
             self._wrapper = self._prefill
@@ -149,22 +147,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Segments the long prefixes of this step are cut into (0: not cut)."""
         return self._split.segments if self._split is not None else 0
 
-    def _plan_split(self, inputs: AttentionInputs, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+    def _plan_split(self, inputs: AttentionInputs, table: tuple[np.ndarray, np.ndarray, np.ndarray],
                     paged: dict[str, Any]) -> PrefixSplit | None:
-        """Plan the prefix segments of this step (``prefix_split``), if it has any; the split."""
+        """Plan the prefix segments of this step over its page ``table`` (``prefix_split``), if it has any;
+        the split."""
         if self._split_rule is None or inputs.block_size:
             return None
-        kv = self.kv_cache
-        split = plan_prefix_split(indptr, indices, last, inputs.prefix_lens_cpu, inputs.extend_lens_cpu,
+        kv, dev = self.kv_cache, self.kv_cache.k[0].device
+        split = plan_prefix_split(*table, inputs.prefix_lens_cpu, inputs.extend_lens_cpu,
                                   kv.page_size, self.num_heads, self._num_sms, self._split_rule)
         if split is None:
             return None
         if self._segments is None:
             import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
-            workspace = torch.empty(SEGMENT_WORKSPACE_BYTES, dtype=torch.uint8, device=kv.k[0].device)
+            workspace = torch.empty(SEGMENT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
             self._segments = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        dev = kv.k[0].device
         seg_indptr, seg_indices, seg_last = split.prefix
         self._segments.plan(_pinned(split.prefix_qo_indptr), _pinned(seg_indptr),
                             _pinned(seg_indices).to(dev, non_blocking=True), _pinned(seg_last),

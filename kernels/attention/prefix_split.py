@@ -70,13 +70,10 @@ def plan_prefix_split(indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
     segments = min(want, fit, rule.max_segments)
     if segments < 2:
         return None
-    main_pages, main_counts = [], []
-    for r in range(len(seq)):
-        skip = full[r] if r in rows else 0
-        main_pages.append(indices[indptr[r] + skip: indptr[r + 1]])
-        main_counts.append(indptr[r + 1] - indptr[r] - skip)
+    cut = set(rows)
+    main_pages = [indices[indptr[r] + (full[r] if r in cut else 0): indptr[r + 1]] for r in range(len(seq))]
     main_indptr = np.zeros(len(seq) + 1, dtype=np.int32)
-    np.cumsum(main_counts, out=main_indptr[1:])
+    np.cumsum([len(p) for p in main_pages], out=main_indptr[1:])
     seg_pages, seg_q = [], []
     for s in range(segments):
         for r in rows:
