@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before the first steady stretch")
     p.add_argument("--steady-steps", type=int, default=16, help="decode steps of steady ITL before each arrival")
     p.add_argument("--solo-repeats", type=int, default=3, help="solo prefills of each prompt (median)")
+    p.add_argument("--warm-windows", type=int, default=1,
+                   help="windows of the shortest prompt each setting runs, unmeasured, before its measured ones: the "
+                        "first use of its steps' kernels (JIT modules, specialisations) stays out of the figures")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool (default: what a setting needs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 on a busy machine: idle threads spin otherwise)")

@@ -142,3 +142,21 @@ def test_one_prompt_length_among_many_decoders_fits_the_kv_pool(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [r for r in map(json.loads, done.stdout.splitlines()) if not r.get("summary")]
     assert [(r["setting"], r["prompt_len"], r["window_steps"]["EXTEND"]) for r in rows] == [("no-chunking", 256, 1)]
+
+
+def test_warm_windows_are_counted_and_never_negative() -> None:
+    """Each row says how many unmeasured windows its setting ran first; a negative count is refused before
+    any engine is built."""
+    import argparse
+
+    from modeserve.service.bench import split_prefill, split_prefill_settings
+
+    p = argparse.ArgumentParser()
+    split_prefill_settings.add_arguments(p)
+    assert p.parse_args([]).warm_windows == 1
+    with pytest.raises(ValueError, match="--warm-windows must be >= 0"):
+        next(split_prefill.run(p.parse_args(["--warm-windows", "-1"])))
+
+
+def test_rows_name_their_warm_windows(lines: list[dict]) -> None:
+    assert {r["warm_windows"] for r in lines} == {1}
