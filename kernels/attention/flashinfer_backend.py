@@ -6,10 +6,6 @@ steps use one ``BatchPrefillWithPagedKVCacheWrapper`` over all rows (its causal 
 the end of each request's KV, so decode rows of a MIXED batch are just rows with one query).
 ``plan`` runs once per step on host metadata, outside any CUDA graph.
 
-With ``prefix_split`` on Hopper (FA3, which does not split keys), a paged step with too few query tiles for
-its keys has its long prefixes cut into segments: a second plan over the segments without a mask, the
-main plan over the rest, the two merged by log-sum-exp.
-
 The ragged kernel is used only without a cached prefix, where it beats the paged one and its plan
 skips the page table; with a prefix, ragged for the new tokens plus paged for the prefix plus
 ``merge_state`` is slower than one paged call, so those steps stay paged.
@@ -25,10 +21,8 @@ import torch
 from ...engine.forward_mode import ForwardMode
 from .base import AttentionBackend, AttentionInputs, GraphInputs
 from .kv_cache import KVCache
-from .prefix_split import PrefixSplit, SplitRule, plan_prefix_split
 
 WORKSPACE_BYTES = 256 * 2**20
-SEGMENT_WORKSPACE_BYTES = 32 * 2**20  # FA3 keeps no split-KV partials in it
 
 
 def page_table(inputs: AttentionInputs, page_size: int, pad_to: int = 0,
@@ -85,11 +79,8 @@ def decode_uses_tensor_cores(group_size: int) -> bool:
 
 class FlashInferAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None,
-                 decode_tensor_cores: bool | None = None, prefix_split: SplitRule | None = None) -> None:
-        """``decode_tensor_cores``: None picks by the query-head group size (``decode_uses_tensor_cores``).
-        ``prefix_split``: when to cut long prefixes of paged steps into segments (None: never); only on
-        Hopper, where FlashInfer's prefill is FA3, and without a sliding window. Off by default until its
-        speed is measured: the engine's backends do not pass it yet."""
+                 decode_tensor_cores: bool | None = None) -> None:
+        """``decode_tensor_cores``: None picks by the query-head group size (``decode_uses_tensor_cores``)."""
         super().__init__(kv_cache, num_heads, scale, sliding_window)
         import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
 
@@ -106,12 +97,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD")
         self._window_left = sliding_window - 1 if sliding_window else -1
-        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        self._split_rule = prefix_split if hopper and sliding_window is None else None
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if self._split_rule else 0
-        self._segments: Any = None  # the prefix segments' wrapper, made at the first split
-        self._split: PrefixSplit | None = None  # this step's, if its prefixes are cut
-        self._split_query: torch.Tensor | None = None  # [n] int64 (device): the split requests' query rows
         self._wrapper: object = None
         # (batch-size bucket, queries a request) -> decode (1) or prefill (verify) wrapper with fixed buffers
         self._graph_wrappers: dict[tuple[int, int], object] = {}
@@ -119,7 +104,6 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, inputs: AttentionInputs) -> None:
         kv = self.kv_cache
         self._out_cache_loc = inputs.out_cache_loc
-        self._split = None
         decode = inputs.one_token_per_row
         heads = dict(num_qo_heads=self.num_heads, num_kv_heads=kv.num_kv_heads, window_left=self._window_left,
                      sm_scale=self.scale, q_data_type=inputs.dtype)
@@ -128,12 +112,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._ragged.plan(qo, qo, head_dim_qk=kv.head_dim, causal=True, kv_data_type=inputs.dtype, **heads)
             self._wrapper = self._ragged
             return
-        table = page_table(inputs, kv.page_size)
-        paged = dict(heads, page_size=kv.page_size, kv_data_type=kv.dtype)
-        split = None if decode else self._plan_split(inputs, table, paged)
-        indptr_np, indices_np, last_np = split.main if split is not None else table  # (the cut table, if cut)
+        indptr_np, indices_np, last_np = page_table(inputs, kv.page_size)
         indptr, last = _pinned(indptr_np), _pinned(last_np)
         indices = _pinned(indices_np).to(kv.k[0].device, non_blocking=True)
+        paged = dict(heads, page_size=kv.page_size, kv_data_type=kv.dtype)
         if decode:
             self._decode.plan(indptr, indices, last, head_dim=kv.head_dim, **paged)
             self._wrapper = self._decode
@@ -141,35 +123,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._prefill.plan(_pinned(_indptr(inputs.extend_lens_cpu)), indptr, indices, last,
                                head_dim_qk=kv.head_dim, causal=True, **paged)
             self._wrapper = self._prefill
-
-    @property
-    def prefix_segments(self) -> int:
-        """Segments the long prefixes of this step are cut into (0: not cut)."""
-        return self._split.segments if self._split is not None else 0
-
-    def _plan_split(self, inputs: AttentionInputs, table: tuple[np.ndarray, np.ndarray, np.ndarray],
-                    paged: dict[str, Any]) -> PrefixSplit | None:
-        """Plan the prefix segments of this step over its page ``table`` (``prefix_split``), if it has any;
-        the split."""
-        if self._split_rule is None or inputs.block_size:
-            return None
-        kv, dev = self.kv_cache, self.kv_cache.k[0].device
-        split = plan_prefix_split(*table, inputs.prefix_lens_cpu, inputs.extend_lens_cpu,
-                                  kv.page_size, self.num_heads, self._num_sms, self._split_rule)
-        if split is None:
-            return None
-        if self._segments is None:
-            import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
-
-            workspace = torch.empty(SEGMENT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-            self._segments = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        seg_indptr, seg_indices, seg_last = split.prefix
-        self._segments.plan(_pinned(split.prefix_qo_indptr), _pinned(seg_indptr),
-                            _pinned(seg_indices).to(dev, non_blocking=True), _pinned(seg_last),
-                            head_dim_qk=kv.head_dim, causal=False, **paged)
-        self._split_query = _pinned(split.query_index).to(dev, non_blocking=True)
-        self._split = split
-        return split
 
     # ---- CUDA graphs (decode; verify: k + 1 queries a request, FlashInfer's prefill kernel) ------------
     supports_cuda_graph = True
@@ -245,23 +198,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         out: torch.Tensor
         if wrapper is self._ragged:  # the step's own keys are all there is
             out = wrapper.run(q.contiguous(), k.contiguous(), v.contiguous())
-        elif wrapper is self._prefill and self._split is not None:  # (graph wrappers never split)
-            out = self._run_split(q.contiguous(), layer_id)
         else:
             out = wrapper.run(q.contiguous(), self.kv_cache.paged(layer_id))
         return out
-
-    def _run_split(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """The main plan over every query, the segments over the split requests' queries (once a segment),
-        and the split requests' rows merged from the S + 1 partial results."""
-        import flashinfer  # optional dependency (CUDA hosts); importing this module must not need it
-
-        assert self._split is not None and self._split_query is not None
-        paged, s, rows = self.kv_cache.paged(layer_id), self._split.segments, self._split_query
-        out, lse = self._prefill.run(q, paged, return_lse=True)
-        seg_out, seg_lse = self._segments.run(q[rows].repeat(s, 1, 1), paged, return_lse=True)
-        n, h = rows.numel(), q.shape[1]
-        values = torch.cat([seg_out.view(s, n, h, -1), out[rows].unsqueeze(0)]).transpose(0, 1)
-        lses = torch.cat([seg_lse.view(s, n, h), lse[rows].unsqueeze(0)]).transpose(0, 1)
-        merged, _ = flashinfer.merge_states(values.contiguous(), lses.contiguous())
-        return out.index_copy_(0, rows, merged.to(out.dtype))

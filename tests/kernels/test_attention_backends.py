@@ -32,8 +32,6 @@ def make_case(kind: str, page_size: int, device: str, dtype: torch.dtype, seed: 
         prefix, ext = [4, 16, 33, 60, 0], [5, 5, 5, 5, 5]
     elif kind == "extend":
         prefix, ext = [0, 16, 7, 32], [9, 5, 20, 1]
-    elif kind == "long-prefix":  # a chunk over a prefix long enough to cut (test_flashinfer_cut_prefix...)
-        prefix, ext = [101, 40, 3], [20, 1, 1]
     else:  # mixed: prefill chunks and decodes
         prefix, ext = [0, 24, 40, 3, 50], [12, 8, 1, 1, 1]
     seq = [p + e for p, e in zip(prefix, ext)]
@@ -166,33 +164,6 @@ def test_flashinfer_prefill_without_prefix_attends_to_the_steps_own_keys(page_si
         results[kind] = float((out.float() - dense_reference(case, None).float()).abs().max())
     assert results["prefill"] < 3e-2
     assert results["extend"] > 0.1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_flashinfer_cut_prefix_equals_dense_attention(page_size: int) -> None:
-    """A MIXED step whose chunk's prefix is cut into segments (a rule that cuts this small case; Hopper
-    only, where the prefill is FA3) equals dense attention, and so does the same step uncut."""
-    pytest.importorskip("flashinfer")
-    from modeserve.kernels.attention.flashinfer_backend import FlashInferAttentionBackend
-    from modeserve.kernels.attention.prefix_split import SplitRule
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("prefixes are cut only where FlashInfer's prefill is FA3 (Hopper)")
-    case = make_case("long-prefix", page_size, "cuda", torch.bfloat16)
-    dense = dense_reference(case, None).float()
-    for rule, segments in ((SplitRule(min_prefix=32, min_segment=16, max_segments=4), 4), (None, 0)):
-        cache = KVCache(1, case["num_slots"], HKV, D, page_size, torch.bfloat16, torch.device("cuda"))
-        cache.k[0].copy_(case["k_hist"])
-        cache.v[0].copy_(case["v_hist"])
-        backend = FlashInferAttentionBackend(cache, HQ, 1 / math.sqrt(D), None, prefix_split=rule)
-        backend.init_forward_metadata(AttentionInputs(
-            forward_mode=ForwardMode.MIXED, req_pool_indices=torch.arange(3, device="cuda"),
-            prefix_lens_cpu=case["prefix"], extend_lens_cpu=case["ext"], seq_lens=torch.tensor(case["seq"], device="cuda"),
-            out_cache_loc=case["out_loc"], req_to_token=case["req_to_token"], dtype=torch.bfloat16))
-        assert backend.prefix_segments == segments
-        out = backend.forward(case["q"], case["k"], case["v"], 0)
-        assert (out.float() - dense).abs().max() < 3e-2
 
 
 class _Recorder(AttentionBackend):
