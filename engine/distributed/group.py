@@ -24,14 +24,22 @@ def multicast_off_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def tp_store(rank: int, size: int, host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """The ranks' TCP store on ``host:port``: rank 0 serves it (``port`` 0: a free port, read back as the
+    store's ``port``, before the other ranks are told it) and does not wait here for the others; the
+    others connect to it."""
+    return dist.TCPStore(host, port, size, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 class TpGroup:
-    def __init__(self, rank: int, size: int, host: str, port: int, device: torch.device,
+    def __init__(self, rank: int, store: dist.TCPStore, size: int, device: torch.device,
                  timeout_s: float = 600.0) -> None:
-        """Rank 0 serves the store on ``host:port``; every rank blocks here until all ``size`` joined."""
+        """``store``: the ranks' (``tp_store``); every rank blocks here until all ``size`` joined."""
         multicast_off_defaults()
         self.rank, self.size, self.device = rank, size, device
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, size, rank == 0, timeout=timeout)
+        self._store = store
         # Any: the stubs give the backends no collectives (they have them, as every process group does).
         # No timeout that an idle engine could reach: the other ranks wait for rank 0's next batch
         # (a rank that dies closes its connections, which ends the wait at once)

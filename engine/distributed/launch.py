@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import threading
 from typing import Any
@@ -16,17 +15,11 @@ from typing import Any
 import torch
 
 from ..python_child import python_argv
-from .group import TpGroup
+from .group import TpGroup, tp_store
 
 logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"  # the ranks of one engine share a host (a pod)
 WORKER = "modeserve.engine.distributed.worker"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 class TpWorkers:
@@ -36,13 +29,13 @@ class TpWorkers:
         process (engine servers); False: it is logged and the next collective fails (tests). ``worker``:
         the module each other rank runs. A rank that exits before all have joined is a ``RuntimeError``
         at once (not after the join's timeout)."""
-        port = _free_port()
+        store = tp_store(0, size, HOST, 0)  # bound before the ranks learn its port: no other process can take it
         self.procs = [subprocess.Popen(python_argv("-m", worker, json.dumps(
-            {"model": model, "kwargs": kwargs, "rank": rank, "host": HOST, "port": port})))
+            {"model": model, "kwargs": kwargs, "rank": rank, "host": HOST, "port": store.port})))
             for rank in range(1, size)]
         self._closing = False
         try:
-            self.group = self._join(size, port, device)
+            self.group = self._join(size, store, device)
         except BaseException:
             self._kill()
             raise
@@ -50,14 +43,14 @@ class TpWorkers:
             threading.Thread(target=self._watch, args=(proc, exit_on_loss), daemon=True,
                              name=f"tp-rank-watch-{proc.pid}").start()
 
-    def _join(self, size: int, port: int, device: torch.device) -> TpGroup:
+    def _join(self, size: int, store: torch.distributed.TCPStore, device: torch.device) -> TpGroup:
         """Rank 0's group, built while the other ranks join; refused as soon as one of them exits (the
         join, on a daemon thread, stays blocked until its store times out)."""
         done: list[TpGroup | BaseException] = []
 
         def join() -> None:
             try:
-                done.append(TpGroup(0, size, HOST, port, device))
+                done.append(TpGroup(0, store, size, device))
             except BaseException as exc:  # noqa: BLE001 (handed to the caller)
                 done.append(exc)
 

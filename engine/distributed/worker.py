@@ -13,7 +13,7 @@ import torch
 from ..runner.build import build_runner
 from ..config import EngineConfig
 from ..models.loader import open_checkpoint
-from .group import TpGroup
+from .group import TpGroup, tp_store
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def serve_rank(spec: dict) -> None:
     config = EngineConfig.from_kwargs(model=spec["model"], **spec["kwargs"])
     rank, size = spec["rank"], config.runner.tensor_parallel_size
     device = torch.device(config.runner.device, rank) if config.runner.device == "cuda" else torch.device("cpu")
-    tp = TpGroup(rank, size, spec["host"], spec["port"], device)
+    tp = TpGroup(rank, tp_store(rank, size, spec["host"], spec["port"]), size, device)
     runner = build_runner(config, open_checkpoint(spec["model"], config.runner.load_format), None, tp)
     while (step := tp.recv_step()) is not None:
         method, batch = step

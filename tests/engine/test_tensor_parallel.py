@@ -209,25 +209,22 @@ def test_each_rank_reads_its_slice_of_a_tensor(tiny_model: Path) -> None:
 def test_an_idle_rank_waits_past_the_collective_timeout() -> None:
     """The other ranks wait for rank 0's next batch however long the engine idles: the all-reduce
     timeout (1 s here) does not apply to that wait."""
-    import socket
     import threading
     import time
 
-    from modeserve.engine.distributed.group import TpGroup
+    from modeserve.engine.distributed.group import TpGroup, tp_store
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = tp_store(0, 2, "127.0.0.1", 0, timeout_s=1.0)  # a free port, bound here
     got: list[Any] = []
 
     def rank1() -> None:
-        tp = TpGroup(1, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=1.0)
+        tp = TpGroup(1, tp_store(1, 2, "127.0.0.1", store.port, timeout_s=1.0), 2, torch.device("cpu"), timeout_s=1.0)
         got.append(tp.recv_step())
         got.append(tp.all_reduce(torch.ones(3)).tolist())
 
     t = threading.Thread(target=rank1)
     t.start()
-    tp = TpGroup(0, 2, "127.0.0.1", port, torch.device("cpu"), timeout_s=1.0)
+    tp = TpGroup(0, store, 2, torch.device("cpu"), timeout_s=1.0)
     time.sleep(2.5)
     tp.send_step(("launch", [1, 2]))
     assert tp.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
