@@ -55,6 +55,9 @@ class RunnerConfig:
     # (kernels.triton.small_gemm: no thread-block clusters, so beside a slice its programs take SMs
     # as the slice frees them, where a cuBLAS cluster waits for the slice's whole GEMM)
     small_batch_gemm: str = "cublas"
+    # run two throwaway requests through the engine before it serves (engine.warmup), so that the first
+    # real prefill, paged chunk or MIXED step does not load its kernels; None: on CUDA only
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
