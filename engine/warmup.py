@@ -28,7 +28,7 @@ from .step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 
-NEW_TOKENS = 8  # the first request decodes while the second one's three chunks run beside it
+NEW_TOKENS = 8  # the first request still decodes while the second one's four chunks run beside it
 
 
 def warms_up(config: EngineConfig, device_type: str) -> bool:
@@ -67,7 +67,8 @@ def warm_up(runner: ModelRunner, config: EngineConfig, model: ModelConfig) -> Co
     lens = (3 * chunk - 3, 3 * chunk + 5)  # not whole pages, not multiples of 16
     # one decoding request leaves a MIXED step no prefill tokens under a max_prefill_ratio below 1; a chunk
     # is split into slices only if it is split_prefill_min_tokens long
-    cfg = dataclasses.replace(config.scheduler, chunked_prefill_size=chunk, enable_prefix_cache=False, max_prefill_ratio=1.0,
+    cfg = dataclasses.replace(config.scheduler, chunked_prefill_size=chunk, enable_prefix_cache=False,
+                              max_prefill_ratio=1.0,
                               split_prefill_min_tokens=min(config.scheduler.split_prefill_min_tokens, chunk))
     need = sum(-(-(n + NEW_TOKENS) // page) + 1 for n in lens)
     if max(lens) + NEW_TOKENS > runner.max_context or need > runner.num_pages - 1:

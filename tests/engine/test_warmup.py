@@ -89,7 +89,8 @@ def test_on_cuda_the_warm_up_runs_by_default_and_its_replays_do_not_count(tmp_pa
     prompts = mixed_prompts(4, COMMON["vocab_size"], seed=3)
     ref = load_reference(folder)
     caplog.set_level(logging.INFO, logger="modeserve.engine.warmup")
-    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, enable_mixed=True, max_running_requests=8)
+    llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, enable_mixed=True,
+              max_running_requests=8)
     assert "warm-up ran" in caplog.text and "MIXED" in caplog.text
     assert llm.runner.graphs is not None and llm.runner.graphs.stats()["hits"] == {}
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=6,
