@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .builder import build_engine
-from .forward_batch import ForwardBatch, ForwardResult
+from .forward_batch import ForwardBatch
 from .request import Req
 from .sampling_params import SamplingParams
 from .scheduler.create import create_scheduler
 from .scheduler.scheduled_step import ReqEvent, ScheduledStep
-from .scheduler.scheduler import Scheduler
+from .scheduler_steps import SchedulerSteps
 from .step_loop import Executor, StepLoop, StepSource
 from .tokenizer import Tokenizer
 
@@ -82,7 +82,7 @@ class LLM:
     def step(self) -> list[ReqEvent]:
         """Run one scheduler step and one forward; the events of the requests that advanced."""
         events: list[ReqEvent] = []
-        source = _SchedulerSteps(self.scheduler, events.extend, once=True)
+        source = SchedulerSteps(self.scheduler, events.extend, once=True)
         StepLoop(source, self.runner, 1, self.scheduler.stats).run(lambda: source.done)
         return events
 
@@ -121,7 +121,7 @@ class LLM:
 
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step until ``done()``; with overlap one step stays in flight while the next is prepared."""
-        self.step_loop(_SchedulerSteps(self.scheduler, lambda _events: None)).run(done)
+        self.step_loop(SchedulerSteps(self.scheduler, lambda _events: None)).run(done)
 
     def step_loop(self, source: StepSource[ScheduledStep], executor: Executor | None = None) -> StepLoop[ScheduledStep]:
         """The step loop of ``source`` on this engine (``executor``: in front of its runner): with overlap one
@@ -142,25 +142,3 @@ class LLM:
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         assert self.tokenizer is not None
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-class _SchedulerSteps:
-    """The scheduler as the step loop's source, in this process; ``once``: a single step."""
-
-    def __init__(self, scheduler: Scheduler, on_events: Callable[[list[ReqEvent]], None], once: bool = False) -> None:
-        self.scheduler = scheduler
-        self.on_events = on_events
-        self.once = once
-        self.done = False
-
-    def next_step(self, idle: bool) -> ScheduledStep | None:
-        if self.done:
-            return None
-        step = self.scheduler.schedule()
-        self.done = self.once
-        if step is None and idle and not self.once and not self.scheduler.has_work:
-            raise RuntimeError("scheduler stalled with unfinished requests")
-        return step
-
-    def process(self, step: ScheduledStep, result: ForwardResult) -> None:
-        self.on_events(self.scheduler.process_result(step, result))

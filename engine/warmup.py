@@ -17,13 +17,14 @@ import logging
 from collections import Counter
 
 from .config import EngineConfig
-from .forward_batch import ForwardBatch, ForwardResult
+from .forward_batch import ForwardBatch
 from .models.model_config import ModelConfig
 from .runner.model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler.create import create_scheduler
 from .scheduler.scheduled_step import ScheduledStep
 from .scheduler.scheduler import Scheduler
+from .scheduler_steps import SchedulerSteps
 from .step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
@@ -36,26 +37,21 @@ def warms_up(config: EngineConfig, device_type: str) -> bool:
     return config.runner.warmup if config.runner.warmup is not None else device_type == "cuda"
 
 
-class _Steps:
-    """The warm-up scheduler as the step loop's source; counts the forward mode of every step, and whether
-    an EXTEND step read a cached prefix (a MIXED step always does: its decodes')."""
+class _CountedSteps(SchedulerSteps):
+    """Counts the forward mode of every step, and whether an EXTEND step read a cached prefix (a MIXED step
+    always does: its decodes')."""
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+        super().__init__(scheduler, lambda _events: None)
         self.modes: Counter[str] = Counter()
 
     def next_step(self, idle: bool) -> ScheduledStep | None:
-        step = self.scheduler.schedule()
-        if step is None and idle and not self.scheduler.has_work:
-            raise RuntimeError("warm-up: the scheduler stalled with unfinished requests")
+        step = super().next_step(idle)
         if step is not None:
-            batch: ForwardBatch = step.batch
+            batch = step.batch
             paged = batch.forward_mode.name == "EXTEND" and bool(batch.prefix_lens.any())
             self.modes[batch.forward_mode.name + (" (cached prefix)" if paged else "")] += 1
         return step
-
-    def process(self, step: ScheduledStep, result: ForwardResult) -> None:
-        self.scheduler.process_result(step, result)
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig, model: ModelConfig) -> Counter[str]:
@@ -82,7 +78,7 @@ def warm_up(runner: ModelRunner, config: EngineConfig, model: ModelConfig) -> Co
     reqs = [scheduler.make_request(f"warm-up-{i}", [(7 * t + 3 * i + 1) % model.vocab_size for t in range(n)], sampling)
             for i, n in enumerate(lens)]
     scheduler.add_request(reqs[0])
-    steps = _Steps(scheduler)
+    steps = _CountedSteps(scheduler)
     beside = config.runner.enable_split_prefill_overlap
     loop = StepLoop(steps, runner, 1, scheduler.stats, ForwardBatch.is_slice if beside else None)
     loop.run(lambda: len(reqs[0].output_ids) > 0)  # the first request decodes from here on
