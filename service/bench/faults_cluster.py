@@ -97,7 +97,7 @@ class Cluster:
         try:
             with ThreadPoolExecutor(len(self.engines)) as pool:
                 list(pool.map(Child.start, self.engines))
-            self.router.argv = ("router", "--engines", ",".join(e.address for e in self.engines), "--http-port", "0",
+            self.router.argv = ("router", "--engines", ",".join(e.address for e in self.engines), "--no-http",
                                 *self._router_argv)
             self.router.start()
         except BaseException:

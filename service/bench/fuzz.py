@@ -36,7 +36,7 @@ from ..cli.engine_args import add_engine_args, engine_kwargs
 from ..rpc.engine_process import engine_flags
 from ..rpc.grpc_executor import TransportError
 from . import fuzz_probes as probes
-from .servers import child, free_port, rss_mib
+from .servers import child, rss_mib
 
 if TYPE_CHECKING:  # hypothesis comes with the test extra: imported when the bench runs, not by the CLI
     from hypothesis.strategies import SearchStrategy
@@ -189,17 +189,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or str(tiny_model_with_tokenizer(Path(tmp) / "model"))
         engine_args = engine_kwargs(args)
         expect = _greedy_reference(model, args.witness_tokens, engine_args)
-        http_port, metrics_port = free_port(), free_port()
         with child("engine", "--model", model, "--grace-period", "5", *engine_flags(engine_args),
-                   start_timeout=300) as (engine, engine_address), \
-                child("router", "--engines", engine_address, "--http-port", str(http_port),
-                      "--metrics-port", str(metrics_port), "--grace-period", "5",
-                      *engine_flags(engine_args, (SchedulerConfig,)), start_timeout=300) as (router, router_address):
+                   start_timeout=300) as (engine, engine_at), \
+                child("router", "--engines", engine_at["grpc"], "--http-port", "0", "--metrics-port", "0",
+                      "--grace-period", "5", *engine_flags(engine_args, (SchedulerConfig,)), start_timeout=300,
+                      announced=["http", "metrics"]) as (router, router_at):
+            engine_address, router_address = engine_at["grpc"], router_at["grpc"]
             with grpc.insecure_channel(router_address) as channel:
                 probes.generate_greedy(channel, WITNESS_PROMPT, 1)  # warm up before the first RSS reading
             rss = {"engine": rss_mib(engine.pid), "router": rss_mib(router.pid)}
-            front = _router_phase(router_address, f"http://127.0.0.1:{http_port}", budget, args.seed, expect)
-            front["router_idle_after"] = _router_idle(f"http://127.0.0.1:{metrics_port}/metrics")
+            front = _router_phase(router_address, f"http://{router_at['http']}", budget, args.seed, expect)
+            front["router_idle_after"] = _router_idle(f"http://{router_at['metrics']}/metrics")
             back = _engine_phase(engine_address, budget, args.seed, expect)
             processes = {"engine": _process_report(engine, rss["engine"]),
                          "router": _process_report(router, rss["router"])}

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from ..cli.engine_args import add_engine_args, engine_kwargs
 from .load_client import StreamResult, percentile, run_clients, status_counts
-from .servers import free_port, server
+from .servers import server
 
 TARGETS = {"serve": ("serve",), "router": ("router",), "both": ("serve", "router")}
 APIS = {"grpc": ("grpc",), "http": ("http",), "both": ("grpc", "http")}
@@ -65,14 +65,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env = {"OMP_NUM_THREADS": str(args.threads)}  # the offline run's torch threads, in every server process
         rows = []
         for target in TARGETS[args.target]:
-            http_port = free_port() if "http" in apis else 0
-            with server(target, str(folder), engine_args, max(levels) + 64, env, http_port) as address:
-                run_clients(address, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
+            with server(target, str(folder), engine_args, max(levels) + 64, env, "http" in apis) as front:
+                run_clients(front.grpc, [(f"warm{i}", p) for i, p in enumerate(warm)], 4, len(warm), args.processes)
                 for k, c in enumerate(levels):
                     count = min(n, max(args.waves * c, 4))  # a level runs that many waves of requests
                     for api in apis:
                         jobs = [(f"{target}-{api}-c{c}-{i}", p) for i, p in enumerate(prompt_sets[k, api][:count])]
-                        at = f"127.0.0.1:{http_port}" if api == "http" else address
+                        at = front.http if api == "http" else front.grpc
+                        assert at is not None
                         results = run_clients(at, jobs, n_out, c, args.processes, args.channels, args.timeout, api)
                         rows.append(_row(target, api, c, summarize(results, n_out), offline))
     top = [r for r in rows if r["concurrency"] == max(levels) and r["api"] == apis[0]]

@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n, new = args.streams, args.max_new_tokens
         queued = args.max_queued_requests or n
         jobs = [(f"s{i}", p) for i, p in enumerate(short_prompts(n, vocab))]
-        with serve(model, engine_kwargs(args), queued) as address:
-            results = run_clients(address, jobs, new, n, args.processes, args.channels, args.timeout)
+        with serve(model, engine_kwargs(args), queued) as front:
+            results = run_clients(front.grpc, jobs, new, n, args.processes, args.channels, args.timeout)
     seconds = max(r.end for r in results) - min(r.start for r in results)  # from the first call, not process start
     codes = status_counts(results)
     full = sum(r.code == "OK" and len(r.token_ids) == new and r.finish_reason == "length" for r in results)

@@ -21,7 +21,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on stdout)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one, announced on stdout)")
     p.add_argument("--dp-rank", type=int, default=0, help="this engine's data-parallel rank (reported by Describe)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight streams get to finish after SIGTERM")
@@ -65,10 +66,15 @@ def run(args: argparse.Namespace) -> int:
                                dp_rank=args.dp_rank, metrics_port=args.metrics_port, tls=tls,
                                options=server_options(args))
     host = address.rsplit(":", 1)[0]
-    print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
     logger.info("engine rank %d: %s, %d KV slots, device %s", args.dp_rank, parts.checkpoint.config.name,
                 runner.num_kv_slots, runner.device)
-    wait_for_signal(args.grace_period)
+
+    def announce() -> None:
+        print(f"modeserve engine listening on {host}:{srv.port}", flush=True)
+        if srv.metrics is not None:
+            print(f"modeserve engine metrics on {srv.metrics.host}:{srv.metrics.port}", flush=True)
+
+    wait_for_signal(args.grace_period, ready=announce)
     srv.stop(args.grace_period)
     if parts.tp_workers is not None:  # after the last step: the other ranks of a tensor-parallel engine
         parts.tp_workers.close()

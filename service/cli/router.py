@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine-wait", type=float, default=120.0, help="seconds to wait for engines to be SERVING")
     p.add_argument("--dispatch", choices=POLICIES, default="prefix",
                    help="prefix: longest cached prefix (ties and overload by load); least-loaded; round-robin")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one, announced on stdout)")
     add_public_api_args(p)
     add_tls_args(p, "PEM CA of the engines' certificates: talk TLS to engines (presenting --tls-cert, for engines "
                     "that ask for mutual TLS)")
@@ -67,7 +68,8 @@ def engineset_watch(name: str, namespace: str | None) -> EngineSetWatch:
 def add_public_api_args(p: argparse.ArgumentParser) -> None:
     """The flags of what clients reach (``serve`` and ``router``): the HTTP port, the API key."""
     p.add_argument("--http-port", type=int, default=8000, help="serve the OpenAI-compatible HTTP API on this port "
-                                                               "(0: off)")
+                                                               "(0: a free one, announced on stdout)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP API (gRPC only)")
     p.add_argument("--api-key", default=None, help="Generate calls and HTTP requests must carry "
                                                    "'authorization: Bearer KEY' (health stays open)")
     p.add_argument("--api-key-file", default=None, help="as --api-key, the key read from this file (a mounted Secret)")
@@ -79,7 +81,7 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
 def http_address(args: argparse.Namespace) -> HttpAddress | None:
     if not 0 <= args.http_port < 65536:
         raise ValueError(f"--http-port must be in [0, 65536), got {args.http_port}")
-    return HttpAddress(args.host, args.http_port) if args.http_port else None
+    return None if args.no_http else HttpAddress(args.host, args.http_port)
 
 
 def router_config(args: argparse.Namespace) -> RemoteRouterConfig:

@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> None:
                    help="schedule step N+1 while step N runs (default on)")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds to finish streams on SIGTERM")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one, announced on stdout)")
     add_public_api_args(p)
     add_tls_args(p, None)  # its engine is a child on loopback, in plaintext
     add_engine_args(p)

@@ -36,8 +36,8 @@ def bind(host: str, port: int) -> socket.socket:
 class HttpServer:
     def __init__(self, events: EventLoopThread, app: Callable[..., Awaitable[None]], host: str, port: int,
                  tls: TlsFiles | None = None) -> None:
-        """Serve ``app`` on ``host:port`` (port > 0) from the event loop, over TLS with ``tls`` (its
-        certificate re-read when the files change); returns once it accepts."""
+        """Serve ``app`` on ``host:port`` (0: a free port; ``self.port`` is the bound one) from the event
+        loop, over TLS with ``tls`` (its certificate re-read when the files change); returns once it accepts."""
         sock = bind(host, port)
         self.port: int = sock.getsockname()[1]
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30,

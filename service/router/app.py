@@ -72,12 +72,16 @@ class RouterApp:
 
 
 def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threading.Event | None = None) -> int:
-    """Announce the bound port (tests and scripts read this line), serve until SIGTERM (or ``stop``
+    """Announce the bound ports (gRPC first; ``rpc/engine_process.read_addresses`` reads them), serve until SIGTERM (or ``stop``
     is set), drain."""
-    print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
-    if app.http is not None:
-        print(f"modeserve {label} HTTP API on {host}:{app.http.port}", flush=True)
-    wait_for_signal(grace, stop)
+    def announce() -> None:
+        print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
+        if app.http is not None:
+            print(f"modeserve {label} HTTP API on {host}:{app.http.port}", flush=True)
+        if app.metrics.port is not None:
+            print(f"modeserve {label} metrics on {app.metrics.host}:{app.metrics.port}", flush=True)
+
+    wait_for_signal(grace, stop, announce)
     app.stop(grace)
     return 0
 

@@ -5,9 +5,10 @@ stdin is a pipe only this process holds, and ``--exit-on-stdin-eof`` stops it wh
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
-import selectors
+import re
 import signal
 import subprocess
 import sys
@@ -37,16 +38,46 @@ def engine_flags(engine_args: dict[str, Any],
     return flags
 
 
-def read_address(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
-    """``127.0.0.1:PORT`` from a ``modeserve`` child's first stdout line (``... listening on HOST:PORT``);
-    a child that exits, or prints nothing within ``timeout`` seconds, is a RuntimeError."""
+ANNOUNCED = {"listening": "grpc", "HTTP API": "http", "metrics": "metrics"}
+_ANNOUNCE = re.compile(r"modeserve \S+ (listening|HTTP API|metrics) on (\S+):(\d+)")
+
+
+def read_addresses(proc: subprocess.Popen[str], label: str, timeout: float, *also: str) -> dict[str, str]:
+    """``127.0.0.1:PORT`` of each port a ``modeserve`` child announces on stdout: ``grpc`` from its first
+    line (``... listening on HOST:PORT``), then ``http`` (``... HTTP API on``) and ``metrics`` (``... metrics
+    on``) as ``also`` names them (and any read on the way), so a child given ``--http-port 0`` or
+    ``--metrics-port 0`` binds a free port and says which. A child that exits, prints something else, or does not announce them all within
+    ``timeout`` seconds is a RuntimeError."""
+    unknown = set(also) - set(ANNOUNCED.values())
+    if unknown:
+        raise ValueError(f"no such announced port: {sorted(unknown)}")
+    found: concurrent.futures.Future[dict[str, str]] = concurrent.futures.Future()
+    # a thread, not select(): the lines come together, and a text stream's buffer holds those after the first
+    threading.Thread(target=_read_announced, args=(proc, label, set(also), found), daemon=True,
+                     name=f"{label}-announced").start()
+    try:
+        return found.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise RuntimeError(f"modeserve {label} did not announce its ports in {timeout} s (exit {proc.poll()})") from None
+
+
+def _read_announced(proc: subprocess.Popen[str], label: str, also: set[str],
+                    found: concurrent.futures.Future[dict[str, str]]) -> None:
     assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline() if sel.select(timeout) else ""
-    if "listening on" not in line:
-        raise RuntimeError(f"modeserve {label} did not start (exit {proc.poll()}): {line!r}")
-    return f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+    addresses: dict[str, str] = {}
+    while "grpc" not in addresses or not also <= addresses.keys():
+        line = proc.stdout.readline()
+        match = _ANNOUNCE.search(line)
+        if match is None or ("grpc" not in addresses) != (match[1] == "listening"):
+            found.set_exception(RuntimeError(f"modeserve {label} did not start (exit {proc.poll()}): {line!r}"))
+            return
+        addresses[ANNOUNCED[match[1]]] = f"127.0.0.1:{match[3]}"
+    found.set_result(addresses)
+
+
+def read_address(proc: subprocess.Popen[str], label: str, timeout: float) -> str:
+    """``127.0.0.1:PORT`` of a ``modeserve`` child's gRPC port (``read_addresses``)."""
+    return read_addresses(proc, label, timeout)["grpc"]
 
 
 def stop_process(proc: subprocess.Popen[str], grace: float = 30.0) -> int:

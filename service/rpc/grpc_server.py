@@ -179,9 +179,11 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def wait_for_signal(grace: float, stop: threading.Event | None = None) -> None:
-    """Block until SIGTERM/SIGINT, or until ``stop`` is set (the heap of start-up frozen first)."""
-    freeze_startup_heap()
+def wait_for_signal(grace: float, stop: threading.Event | None = None,
+                    ready: Callable[[], None] | None = None) -> None:
+    """Block until SIGTERM/SIGINT, or until ``stop`` is set. First the handlers are set and the heap of
+    start-up frozen, then ``ready`` runs (announcing the ports: a SIGTERM sent as soon as a client reads
+    them drains rather than kills)."""
     signalled = threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
@@ -190,6 +192,9 @@ def wait_for_signal(grace: float, stop: threading.Event | None = None) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    freeze_startup_heap()
+    if ready is not None:
+        ready()
     # Python runs signal handlers in the main thread, but the kernel may deliver SIGTERM to any thread
     # (gRPC's, torch's); a main thread blocked in an untimed wait is then never woken to run the
     # handler and the process ignores SIGTERM. A timed wait returns to the interpreter, which runs it.

@@ -115,11 +115,14 @@ class MetricsServer:
         self.registry.register(StepCollector(samples, with_queue=router))
         self.requests = RequestMetrics(self.registry) if router else None
         self.port: int | None = None
+        self.host = ""
         self._server: object = None
 
     def start(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port); the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         self._server = server
+        self.host = host
         self.port = int(server.server_port)
         return self.port
 

@@ -1,5 +1,5 @@
 """What the HTTP API tests share: a tiny random model that has a real tokenizer (SmolLM2's, so chat
-templates and text work), free ports, ``modeserve`` processes serving HTTP, the greedy reference."""
+templates and text work), ``modeserve`` processes serving HTTP, the greedy reference."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from typing import Any
 from modeserve.engine import LLM, SamplingParams
 from modeserve.engine.default_model import default_model_path
 from modeserve.engine.tokenizer import load_tokenizer
-from modeserve.service.bench.servers import free_port
-from modeserve.service.rpc.engine_process import read_address, stop_process
+from modeserve.service.rpc.engine_process import read_addresses, stop_process
 from tests.engine.tiny_models import make_tiny_model
 
 ENGINE_FLAGS = ["--page-size", "4", "--kv-cache-tokens", "8192", "--chunked-prefill-size", "32", "--enable-mixed"]
@@ -58,13 +57,12 @@ def wait_http(base: str, timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def http_process(*args: str) -> Iterator[tuple[str, str]]:
-    """``modeserve <args> --http-port P``: yields (gRPC address, HTTP base URL)."""
-    port = free_port()
+    """``modeserve <args> --http-port 0``: yields (gRPC address, HTTP base URL), as the child announces them."""
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", *args, "--host", "127.0.0.1", "--port",
-                             "0", "--http-port", str(port), "--grace-period", "5"], stdout=subprocess.PIPE, text=True)
+                             "0", "--http-port", "0", "--grace-period", "5"], stdout=subprocess.PIPE, text=True)
     try:
-        address = read_address(proc, args[0], 300)
-        base = f"http://127.0.0.1:{port}"
+        addresses = read_addresses(proc, args[0], 300, "http")
+        address, base = addresses["grpc"], f"http://{addresses['http']}"
         wait_http(base)
         yield address, base
     finally:

@@ -96,7 +96,7 @@ def test_draft_model_speculative_streams_over_a_remote_engine_equal_llm_generate
 
 
 def test_router_command(engines: list[str], tiny_model: Path) -> None:
-    proc, addr = spawn("router", "--engines", engines[0], "--host", "127.0.0.1", "--port", "0", "--http-port", "0")
+    proc, addr = spawn("router", "--engines", engines[0], "--host", "127.0.0.1", "--port", "0", "--no-http")
     client = GenerateClient(addr)
     try:
         prompt = [5, 9, 11, 13]

@@ -20,7 +20,7 @@ ENGINE_FLAGS = ["--page-size", "4", "--kv-cache-tokens", "2048", "--chunked-pref
 
 def start(model: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "serve", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--grace-period", "5", *ENGINE_FLAGS, *flags],
+                             "--host", "127.0.0.1", "--port", "0", "--no-http", "--grace-period", "5", *ENGINE_FLAGS, *flags],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -21,7 +21,7 @@ def start(*args: str) -> tuple[subprocess.Popen[str], int]:
 
 
 def test_sigterm_finishes_streams_then_exits_zero(tiny_model: Path) -> None:
-    proc, port = start("serve", "--model", str(tiny_model), "--port", "0", "--http-port", "0", "--host", "127.0.0.1",
+    proc, port = start("serve", "--model", str(tiny_model), "--port", "0", "--no-http", "--host", "127.0.0.1",
                        "--grace-period", "30")
     client = GenerateClient(f"127.0.0.1:{port}")
     results: list[Completion] = []
@@ -50,7 +50,7 @@ def test_sigterm_finishes_streams_then_exits_zero(tiny_model: Path) -> None:
 
 
 def test_client_command_against_serve_on_default_model() -> None:
-    proc, port = start("serve", "--port", "0", "--http-port", "0", "--host", "127.0.0.1")
+    proc, port = start("serve", "--port", "0", "--no-http", "--host", "127.0.0.1")
     try:
         out = subprocess.run([sys.executable, "-m", "modeserve.service.cli", "client",
                               "What is the capital of France?", "--server", f"127.0.0.1:{port}",

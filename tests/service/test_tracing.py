@@ -120,6 +120,7 @@ def test_step_spans_by_mode_in_memory(tiny_model: Path) -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.rpc.engine_process import read_addresses
     from modeserve.service.router.in_process import start_serve
 
     exporter = InMemorySpanExporter()
@@ -160,27 +161,22 @@ def test_serve_process_exports_one_trace_and_metrics(receiver: Receiver, tiny_mo
     thread's stack in the failure.)"""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import threading
 
     from modeserve.service.rpc.client import GenerateClient
+    from modeserve.service.rpc.engine_process import read_addresses
     from tests.service.test_metrics import by_mode, scrape
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "modeserve.service.cli", "serve", "--model", str(tiny_model),
-                             "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", str(metrics_port),
+                             "--host", "127.0.0.1", "--port", "0", "--no-http", "--metrics-port", "0",
                              "--chunked-prefill-size", "8", "--enable-mixed"],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True,
                             env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        address = f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
+        announced = read_addresses(proc, "serve", 300, "metrics")
+        address, metrics_port = announced["grpc"], int(announced["metrics"].rsplit(":", 1)[1])
         client_tracer = TracerProvider().get_tracer("test-client")
         with client_tracer.start_as_current_span("client call") as client_span:
             carrier: dict[str, str] = {}
