@@ -56,8 +56,9 @@ class RunnerConfig:
     # as the slice frees them, where a cuBLAS cluster waits for the slice's whole GEMM)
     small_batch_gemm: str = "cublas"
     # run two throwaway requests through the engine before it serves (engine.warmup), so that the first
-    # real prefill, paged chunk or MIXED step does not load its kernels; None: on CUDA only
-    warmup: bool | None = None
+    # real prefill, paged chunk or MIXED step does not load its kernels. Off by default: on the H200 the
+    # MIXED steps of an engine that warmed up ran slower, not faster (docs/benchmarks.md, session 57)
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -32,11 +32,6 @@ logger = logging.getLogger(__name__)
 NEW_TOKENS = 8  # the first request still decodes while the second one's four chunks run beside it
 
 
-def warms_up(config: EngineConfig, device_type: str) -> bool:
-    """``warmup`` None: on CUDA only (the CPU has no kernels to load)."""
-    return config.runner.warmup if config.runner.warmup is not None else device_type == "cuda"
-
-
 class _CountedSteps(SchedulerSteps):
     """Counts the forward mode of every step, and whether an EXTEND step read a cached prefix (a MIXED step
     always does: its decodes')."""

@@ -29,8 +29,8 @@ def add_runner_flags(p: argparse.ArgumentParser, shape: str | None = "llama-3.2-
                    help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (a GPU each) the model is split over")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="the engine's warm-up before its first step (default: the engine's, on CUDA only)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engine's warm-up (two throwaway requests) before its first step")
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:

@@ -1,4 +1,4 @@
-"""The engine's warm-up (``warmup``, on CUDA by default): the steps it runs, that an engine warmed up
+"""The engine's warm-up (``warmup``, off by default): the steps it runs, that an engine warmed up
 generates what a cold one does (greedy, as Hugging Face's), that the engine's own scheduler starts with
 none of its steps and the whole KV pool, and that a pool too small for it skips it."""
 
@@ -13,7 +13,7 @@ import torch
 from modeserve.engine import LLM, SamplingParams
 from modeserve.engine.builder import build_engine
 from modeserve.engine.config import EngineConfig
-from modeserve.engine.warmup import warm_up, warms_up
+from modeserve.engine.warmup import warm_up
 from tests.engine.tiny_models import load_reference, reference_greedy
 
 
@@ -58,11 +58,9 @@ def test_a_pool_too_small_skips_the_warm_up(tiny_llama: Path) -> None:
     assert _modes(tiny_llama, page_size=4, kv_cache_tokens=64) == {}
 
 
-def test_warmup_defaults_to_cuda_only() -> None:
-    config = EngineConfig.from_kwargs()
-    assert warms_up(config, "cuda") and not warms_up(config, "cpu")
-    assert warms_up(EngineConfig.from_kwargs(warmup=True), "cpu")
-    assert not warms_up(EngineConfig.from_kwargs(warmup=False), "cuda")
+def test_warmup_is_off_by_default() -> None:
+    assert EngineConfig.from_kwargs().runner.warmup is False
+    assert EngineConfig.from_kwargs(warmup=True).runner.warmup is True
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -79,9 +77,9 @@ def test_warm_up_leaves_no_request_behind(tiny_llama: Path, page_size: int, capl
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_warm_up_runs_by_default_and_its_replays_do_not_count(tmp_path: Path,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """On CUDA an engine warms up unasked; its decode graphs' replay counts start at zero after it (they
+def test_on_cuda_the_warm_up_runs_and_its_replays_do_not_count(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """On CUDA, an engine that warms up: its decode graphs' replay counts start at zero after it (they
     count the traffic's steps), and its fp32 greedy outputs equal transformers'."""
     from tests.engine.tiny_models import COMMON, make_tiny_model, mixed_prompts
 
@@ -90,7 +88,7 @@ def test_on_cuda_the_warm_up_runs_by_default_and_its_replays_do_not_count(tmp_pa
     ref = load_reference(folder)
     caplog.set_level(logging.INFO, logger="modeserve.engine.warmup")
     llm = LLM(model=str(folder), device="cuda", dtype="float32", page_size=16, enable_mixed=True,
-              max_running_requests=8)
+              max_running_requests=8, warmup=True)
     assert "warm-up ran" in caplog.text and "MIXED" in caplog.text
     assert llm.runner.graphs is not None and llm.runner.graphs.stats()["hits"] == {}
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=6,
