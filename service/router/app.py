@@ -72,8 +72,9 @@ class RouterApp:
 
 
 def serve_app(app: RouterApp, label: str, host: str, grace: float, stop: threading.Event | None = None) -> int:
-    """Announce the bound ports (gRPC first; ``rpc/engine_process.read_addresses`` reads them), serve until SIGTERM (or ``stop``
-    is set), drain."""
+    """Announce the bound ports (gRPC first; ``rpc/engine_process.read_addresses`` reads them), serve
+    until SIGTERM (or ``stop`` is set), drain."""
+
     def announce() -> None:
         print(f"modeserve {label} listening on {host}:{app.port}", flush=True)
         if app.http is not None:

@@ -46,8 +46,8 @@ def read_addresses(proc: subprocess.Popen[str], label: str, timeout: float, *als
     """``127.0.0.1:PORT`` of each port a ``modeserve`` child announces on stdout: ``grpc`` from its first
     line (``... listening on HOST:PORT``), then ``http`` (``... HTTP API on``) and ``metrics`` (``... metrics
     on``) as ``also`` names them (and any read on the way), so a child given ``--http-port 0`` or
-    ``--metrics-port 0`` binds a free port and says which. A child that exits, prints something else, or does not announce them all within
-    ``timeout`` seconds is a RuntimeError."""
+    ``--metrics-port 0`` binds a free port and says which. A child that exits, prints something else, or
+    does not announce them all within ``timeout`` seconds is a RuntimeError."""
     unknown = set(also) - set(ANNOUNCED.values())
     if unknown:
         raise ValueError(f"no such announced port: {sorted(unknown)}")
@@ -58,7 +58,8 @@ def read_addresses(proc: subprocess.Popen[str], label: str, timeout: float, *als
     try:
         return found.result(timeout)
     except concurrent.futures.TimeoutError:
-        raise RuntimeError(f"modeserve {label} did not announce its ports in {timeout} s (exit {proc.poll()})") from None
+        raise RuntimeError(f"modeserve {label} did not announce its ports in {timeout} s "
+                           f"(exit {proc.poll()})") from None
 
 
 def _read_announced(proc: subprocess.Popen[str], label: str, also: set[str],
