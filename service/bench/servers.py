@@ -53,13 +53,18 @@ class Front(NamedTuple):
 
 
 @contextlib.contextmanager
-def serve(model: str, engine_args: dict[str, Any], max_queued_requests: int,
-          env: dict[str, str] | None = None, http: bool = False) -> Iterator[Front]:
-    """One ``modeserve serve`` process (by default its engine a child process of it)."""
-    with child("serve", "--model", model, "--max-queued-requests", str(max_queued_requests), "--grace-period", "5",
-               *(["--http-port", "0"] if http else ["--no-http"]), *engine_flags(engine_args), env=env,
+def _front(*args: str, http: bool, env: dict[str, str] | None) -> Iterator[Front]:
+    """``child`` of a ``serve`` or ``router``, with the HTTP API on a port of its own choosing if ``http``."""
+    with child(*args, *(["--http-port", "0"] if http else []), env=env,
                announced=["http"] if http else []) as (_, addresses):
         yield Front(addresses["grpc"], addresses.get("http"))
+
+
+def serve(model: str, engine_args: dict[str, Any], max_queued_requests: int,
+          env: dict[str, str] | None = None, http: bool = False) -> contextlib.AbstractContextManager[Front]:
+    """One ``modeserve serve`` process (by default its engine a child process of it)."""
+    return _front("serve", "--model", model, "--max-queued-requests", str(max_queued_requests), "--grace-period", "5",
+                  *engine_flags(engine_args), http=http, env=env)
 
 
 @contextlib.contextmanager
@@ -67,11 +72,9 @@ def router_and_engine(model: str, engine_args: dict[str, Any], max_queued_reques
                       env: dict[str, str] | None = None, http: bool = False) -> Iterator[Front]:
     """A ``modeserve engine`` process and a ``modeserve router`` process over it; yields the router's."""
     with spawn("engine", "--model", model, "--grace-period", "5", *engine_flags(engine_args), env=env) as engine:
-        with child("router", "--engines", engine, "--max-queued-requests", str(max_queued_requests),
-                   "--grace-period", "5", *(["--http-port", "0"] if http else ["--no-http"]),
-                   *engine_flags(engine_args, (SchedulerConfig,)), env=env,
-                   announced=["http"] if http else []) as (_, addresses):
-            yield Front(addresses["grpc"], addresses.get("http"))
+        with _front("router", "--engines", engine, "--max-queued-requests", str(max_queued_requests),
+                    "--grace-period", "5", *engine_flags(engine_args, (SchedulerConfig,)), http=http, env=env) as front:
+            yield front
 
 
 def server(target: str, model: str, engine_args: dict[str, Any], max_queued_requests: int,
