@@ -16,7 +16,6 @@ from .models.loader import Checkpoint, open_checkpoint
 from .runner.build import build_runner
 from .runner.model_runner import ModelRunner
 from .tokenizer import Tokenizer, load_tokenizer
-from .warmup import warm_up
 
 
 class EngineParts(NamedTuple):
@@ -61,8 +60,6 @@ def build_engine(model: str | Path | None, progress: Callable[[str], None] | Non
         workers = TpWorkers(str(path), kwargs, size, device, exit_on_tp_loss)
     try:
         runner = build_runner(config, ckpt, progress, workers.group if workers else None, draft)
-        if config.runner.warmup:
-            warm_up(runner, config, ckpt.config)
     except BaseException:
         if workers is not None:
             workers.close()

@@ -55,10 +55,6 @@ class RunnerConfig:
     # (kernels.triton.small_gemm: no thread-block clusters, so beside a slice its programs take SMs
     # as the slice frees them, where a cuBLAS cluster waits for the slice's whole GEMM)
     small_batch_gemm: str = "cublas"
-    # run two throwaway requests through the engine before it serves (engine.warmup), so that the first
-    # real prefill, paged chunk or MIXED step does not load its kernels. Off by default: on the H200 the
-    # MIXED steps of an engine that warmed up ran slower, not faster (docs/benchmarks.md, session 57)
-    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -1,4 +1,4 @@
-"""The scheduler as a step loop's source in this process (``LLM``'s, the warm-up's), where the router's
+"""The scheduler as a step loop's source in this process (``LLM``'s), where the router's
 remote schedulers feed engines over gRPC instead."""
 
 from __future__ import annotations

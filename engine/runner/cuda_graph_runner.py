@@ -158,8 +158,3 @@ class CudaGraphRunner:
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"hits": dict(self.hits), "misses": dict(self.misses), "padded_rows": dict(self.padded_rows)}
-
-    def reset_stats(self) -> None:
-        self.hits.clear()
-        self.misses.clear()
-        self.padded_rows.clear()

@@ -204,14 +204,6 @@ class ModelRunner:
             self.verify_graphs = CudaGraphRunner(self.model, self.attn, self._verify_graph_max_bs, self.device,
                                                  self.slots.req_to_token, progress, ForwardMode.TARGET_VERIFY, queries)
 
-    def reset_graph_stats(self) -> None:
-        """Zero every graph runner's replay counts (the warm-up's replays are not the traffic's)."""
-        draft = self.draft
-        for graphs in (self.graphs, self.verify_graphs, self.dllm_graphs, self.piecewise,
-                       draft.graphs if draft else None, draft.catch_up_graphs if draft else None):
-            if graphs is not None:
-                graphs.reset_stats()
-
     @property
     def num_pages(self) -> int:
         return self.num_kv_slots // self.cfg.page_size

@@ -178,7 +178,3 @@ class PiecewiseExtend:
 
     def stats(self) -> dict[str, object]:
         return {"hits": {str(b): n for b, n in sorted(self.hits.items())}, "padded_tokens": self.padded_tokens}
-
-    def reset_stats(self) -> None:
-        self.hits.clear()
-        self.padded_tokens = 0

@@ -29,8 +29,6 @@ def add_runner_flags(p: argparse.ArgumentParser, shape: str | None = "llama-3.2-
                    help="EXTEND/MIXED steps of up to --piecewise-cuda-graph-max-tokens replay the model in pieces")
     p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=RunnerConfig.piecewise_cuda_graph_max_tokens)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (a GPU each) the model is split over")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
-                   help="the engine's warm-up (two throwaway requests) before its first step")
 
 
 def model_folder(args: argparse.Namespace, tmp: str) -> tuple[Path, str]:
@@ -68,7 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "disable_cuda_graph": args.disable_cuda_graph,
             "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
             "piecewise_cuda_graph_max_tokens": args.piecewise_cuda_graph_max_tokens,
-            "tensor_parallel_size": args.tensor_parallel_size, "warmup": args.warmup}
+            "tensor_parallel_size": args.tensor_parallel_size}
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -214,8 +214,7 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         head: dict[str, Any] = {"bench": "split_prefill", "device": device_name(torch.device(args.device)),
                                 "model": args.model or args.shape or "SmolLM2-135M (embedded)",
                                 "num_layers": mc.num_layers, "num_decoders": args.num_decoders,
-                                "decoder_prompt_len": args.decoder_prompt_len, "warm_windows": args.warm_windows,
-                                "warmup": args.warmup}
+                                "decoder_prompt_len": args.decoder_prompt_len, "warm_windows": args.warm_windows}
         solo: dict[int, tuple[float, int]] = {}
         rows: list[dict[str, Any]] = []
         for s in settings(args, defaults["chunk_sizes"] if args.chunk_sizes is None else args.chunk_sizes,
